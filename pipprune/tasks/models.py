@@ -1,0 +1,74 @@
+"""Resolve a source model and make model refs available on local disk.
+
+Hub ids and local paths go through the same code: a hub id is first materialised into the
+Hugging Face cache (which honours HF_HUB_OFFLINE), then handled exactly like a local directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from prefect import task
+
+from pipprune.infra.settings import Settings
+from pipprune.pip_core import io as core_io
+from pipprune.tasks._common import RETRIES, RETRY_DELAYS, retry_transient
+from pipprune.tasks.refs import ModelRef, SourceRef
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotFoundError(ValueError):
+    """The model id is neither a local directory nor resolvable on the hub/cache."""
+
+
+def _local_dir_for(model_id: str) -> Path:
+    path = Path(model_id).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+        return path.resolve()
+    if model_id.startswith((".", "/", "~")) or model_id.count("/") > 1:
+        raise ModelNotFoundError(f"model path does not exist: {model_id}")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=model_id, allow_patterns=[
+            "*.json", "*.safetensors", "*.model", "*.txt", "*.py", "tokenizer*"]))
+    except (HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, OSError) as exc:
+        raise ModelNotFoundError(
+            f"model {model_id!r} is neither a local directory nor available from the Hugging Face "
+            f"hub/cache ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+@task(name="resolve-source", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS,
+      retry_condition_fn=retry_transient)
+def resolve_source(model_id: str) -> SourceRef:
+    """Locate the source model, check it is a causal LM we can prune, and fingerprint it."""
+    local = _local_dir_for(model_id)
+    core_io.check_loadable(local)
+    fingerprint = core_io.model_fingerprint(local)
+    num_params = core_io.param_count_from_dir(local)
+    log.info("source %s -> %s (%d params, fingerprint %s)", model_id, local, num_params, fingerprint[:12])
+    return SourceRef(model_id=model_id, model=ModelRef(local_dir=str(local), fingerprint=fingerprint,
+                                                       num_params=num_params))
+
+
+def ensure_local(ref: ModelRef, settings: Settings | None = None) -> Path:
+    """Return a local directory holding exactly `ref`, fetching its verified S3 copy if needed."""
+    local = Path(ref.local_dir)
+    if local.is_dir() and core_io.model_fingerprint(local) == ref.fingerprint:
+        return local
+    if not ref.s3_uri:
+        raise FileNotFoundError(f"model {ref.fingerprint[:12]} is missing at {local} and has no S3 copy")
+    from pipprune.infra.s3store import CheckpointStore
+
+    settings = settings or Settings()
+    store = CheckpointStore.for_uri(settings, ref.s3_uri)
+    store.download_uri(ref.s3_uri, local)
+    if core_io.model_fingerprint(local) != ref.fingerprint:
+        raise RuntimeError(f"model fetched from {ref.s3_uri} does not match fingerprint {ref.fingerprint[:12]}")
+    return local

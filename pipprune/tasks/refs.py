@@ -1,0 +1,66 @@
+"""Small, JSON-serialisable descriptors that tasks pass instead of live objects.
+
+Prefect persists these as task results (JSON, never pickle) and cache keys are built from them,
+so they must name content (hashes), not just locations.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Ref(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelRef(_Ref):
+    """A model directory: where it is locally, what it contains, and its S3 copy once uploaded."""
+
+    local_dir: str
+    fingerprint: str
+    num_params: int
+    s3_uri: str | None = None
+    manifest_sha256: str | None = None
+
+
+class SourceRef(_Ref):
+    model_id: str
+    model: ModelRef
+
+
+class CalibrationRef(_Ref):
+    pairs_path: str
+    heldout_path: str
+    data_hash: str
+    wordlist_hash: str
+    n_pairs: int
+    n_skipped: int
+    n_heldout: int
+
+
+class StatsRef(_Ref):
+    """Per-unit importance statistics computed on one model."""
+
+    path: str
+    model_fingerprint: str
+    method: str
+    unit: str
+    n_units: int
+    seconds: float
+
+
+class PrunePlan(_Ref):
+    """Which units one step removes, with the validated score table behind the choice."""
+
+    table_path: str
+    table_sha256: str
+    units: tuple[dict, ...]
+    params_to_remove: int
+    params_selected: int
+
+
+class CheckpointInfo(_Ref):
+    iteration: int
+    s3_uri: str
+    manifest_sha256: str
+
