@@ -1,0 +1,41 @@
+# The two contract commands: `make demo` (set up + run the main job) and `make test` (set up + tests).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STATE ?= $(CURDIR)/.pipprune
+REF_TINY := $(STATE)/reference/tiny
+DEMO_UNIT ?= block
+DEMO_METHOD ?= pip
+
+.PHONY: install data demo test stack-down clean-state bench
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch first, pinned: an unpinned torch would pull a CUDA build of several GB.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+# Debian data packages for the reference corpus and evaluation tasks (needs root, or prints the command).
+data:
+	bash scripts/install_data_packages.sh
+
+demo: install data
+	$(BIN)/pipprune reference build --size tiny --out $(REF_TINY)
+	$(BIN)/pipprune stack up
+	$(BIN)/pipprune compress --model $(REF_TINY) --ratio 0.2 --unit $(DEMO_UNIT) --method $(DEMO_METHOD) \
+		--iterations 2 --out $(STATE)/demo-out
+
+test: install data
+	$(BIN)/python -m pytest -q -x --timeout=900
+
+stack-down:
+	$(BIN)/pipprune stack down
+
+bench: install data
+	$(BIN)/python -m benchmarks.run_all

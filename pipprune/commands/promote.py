@@ -1,0 +1,104 @@
+"""`pipprune lineage` and `pipprune promote`: audit and gated promotion of registered versions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def lineage(
+    name: str = typer.Argument(..., help="registered model name"),
+    version: Optional[str] = typer.Option(None, help="version number or alias (default: latest)"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """Print the chain behind a model version and re-verify every hash; exit 1 on any mismatch."""
+    from pipprune.infra.runtime import prepare_runtime
+
+    settings = prepare_runtime()
+    from pipprune.infra.lineage import LineageError, trace
+    from pipprune.infra.mlflow_utils import mlflow_client
+    from pipprune.infra.s3store import CheckpointStore
+
+    try:
+        result = trace(mlflow_client(), lambda key: CheckpointStore.from_settings(settings, key), name, version)
+    except LineageError as exc:
+        _fail(str(exc))
+    if json_out:
+        print(result.model_dump_json(indent=1))
+    else:
+        _print_lineage(result)
+    if result.problems:
+        raise typer.Exit(1)
+
+
+def _print_lineage(result) -> None:  # noqa: ANN001 - rich output only
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    head = Table(title=f"{result.name} version {result.version}", show_header=False)
+    for label, value in [("source model", result.source_model), ("source sha256", result.source_fingerprint),
+                         ("calibration sha256", result.calibration_hash), ("config digest", result.config_digest),
+                         ("code digest", result.code_digest), ("git sha", result.git_sha),
+                         ("Prefect flow run", result.prefect_flow_run_id), ("MLflow run", result.mlflow_run_id),
+                         ("final checkpoint", result.final_s3_uri)]:
+        head.add_row(label, value)
+    console.print(head)
+    steps = Table(title="iterations")
+    for column in ("iter", "params", "removed", "units", "held-out ppl", "files verified", "S3"):
+        steps.add_column(column)
+    for it in result.iterations:
+        ppl = it.metrics.get("heldout_perplexity")
+        steps.add_row(str(it.iteration), f"{it.num_params:,}" if it.num_params else "?",
+                      f"{it.achieved_ratio:.2%}" if it.achieved_ratio is not None else "?", str(it.units_removed),
+                      f"{ppl:.3f}" if ppl is not None else "", str(it.files_verified), it.s3_uri)
+    console.print(steps)
+    if result.problems:
+        for problem in result.problems:
+            console.print(f"[red]MISMATCH[/red] {problem}")
+    else:
+        console.print("[green]lineage verified: every tag and sha256 matches[/green]")
+
+
+def promote(
+    name: str = typer.Argument(..., help="registered model name"),
+    version: str = typer.Option(..., help="version to promote"),
+    alias: str = typer.Option(..., help="alias to set, e.g. champion"),
+    gates: Optional[Path] = typer.Option(None, help="YAML gate file (default: PIPPRUNE_GATES_FILE or no gates)"),
+    reason: str = typer.Option("", help="why, recorded on the version"),
+) -> None:
+    """Move ALIAS to VERSION only if the version's logged metrics pass every gate."""
+    from pydantic import ValidationError
+
+    from pipprune.infra.promotion import PromotionError, PromotionGates, check_alias
+
+    try:
+        check_alias(alias)
+        gate_cfg = PromotionGates.from_file(gates) if gates else PromotionGates()
+    except ValidationError as exc:
+        _fail("gate file: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+    except PromotionError as exc:
+        _fail(str(exc))
+    from pipprune.infra.runtime import prepare_runtime
+
+    prepare_runtime()
+    from pipprune.infra.mlflow_utils import mlflow_client
+    from pipprune.infra.promotion import promote as do_promote
+
+    try:
+        outcome = do_promote(mlflow_client(), name, version, alias, gate_cfg, reason)
+    except PromotionError as exc:
+        _fail(str(exc))
+    for gate in outcome.gates:
+        mark = "PASS" if gate.passed else "FAIL"
+        typer.echo(f"{mark} {gate.gate}: {gate.detail}")
+    if not outcome.promoted:
+        _fail(f"{name} v{version} not promoted to {alias!r}: failing gates listed above", code=1)
+    typer.echo(f"{name} v{version} is {alias!r}" + ("" if outcome.changed else " (already; nothing changed)"))

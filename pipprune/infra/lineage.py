@@ -1,0 +1,128 @@
+"""Reconstruct and re-verify where a registered model version came from, from MLflow and S3 alone.
+
+Checks, each reported by name: the version's tags agree with its MLflow run's tags; every
+iteration's manifest exists; every file's sha256 in S3 matches its manifest; the registered
+fingerprint and manifest hash match the final checkpoint; per-iteration metrics in S3 match
+those logged in MLflow.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+#: version tags that must equal the MLflow run's tags of the same name
+_CROSS_CHECKED = ("pipprune.run_key", "pipprune.source_model", "pipprune.source_fingerprint",
+                  "pipprune.calibration_hash", "pipprune.wordlist_hash", "pipprune.config_digest",
+                  "pipprune.code_digest", "pipprune.git_sha", "pipprune.prefect_flow_run_id")
+
+
+class LineageError(ValueError):
+    """The version cannot be found or carries no pipprune lineage."""
+
+
+class IterationRecord(BaseModel):
+    iteration: int
+    s3_uri: str
+    num_params: int | None
+    achieved_ratio: float | None
+    units_removed: int
+    metrics: dict[str, float]
+    files_verified: int
+
+
+class Lineage(BaseModel):
+    name: str
+    version: str
+    source_model: str
+    source_fingerprint: str
+    calibration_hash: str
+    config_digest: str
+    code_digest: str
+    git_sha: str
+    prefect_flow_run_id: str
+    mlflow_run_id: str
+    final_s3_uri: str
+    config: dict[str, Any]
+    iterations: list[IterationRecord]
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def resolve_version(client, name: str, version: str | None) -> Any:  # noqa: ANN001
+    from mlflow.exceptions import MlflowException
+
+    try:
+        if version is None:
+            versions = client.search_model_versions(f"name = '{name}'")
+            if not versions:
+                raise LineageError(f"registered model {name!r} has no versions")
+            return max(versions, key=lambda v: int(v.version))
+        if not str(version).isdigit():
+            return client.get_model_version_by_alias(name, version)
+        return client.get_model_version(name, str(version))
+    except MlflowException as exc:
+        raise LineageError(f"registered model {name!r} version {version!r} not found") from exc
+
+
+def trace(client, store_for_run_key, name: str, version: str | None = None) -> Lineage:  # noqa: ANN001
+    """Build the lineage of `name`/`version`; `store_for_run_key(run_key)` gives the S3 checkpoint store."""
+    mv = resolve_version(client, name, version)
+    tags = dict(mv.tags)
+    if "pipprune.run_key" not in tags:
+        raise LineageError(f"{name} v{mv.version} was not registered by pipprune (no pipprune.run_key tag)")
+    problems: list[str] = []
+    run_id = tags.get("pipprune.mlflow_run_id", mv.run_id or "")
+    if mv.run_id and run_id != mv.run_id:
+        problems.append(f"tag pipprune.mlflow_run_id={run_id} but the version's run is {mv.run_id}")
+    run = client.get_run(run_id)
+    for key in _CROSS_CHECKED:
+        if tags.get(key) != run.data.tags.get(key):
+            problems.append(f"tag {key}: version says {tags.get(key)!r}, MLflow run says {run.data.tags.get(key)!r}")
+    config = {k: v for k, v in run.data.params.items()}
+    history = {m: {h.step: h.value for h in client.get_metric_history(run_id, m)}
+               for m in ("num_params", "achieved_ratio", "heldout_perplexity")}
+
+    store = store_for_run_key(tags["pipprune.run_key"])
+    iterations: list[IterationRecord] = []
+    expected = int(tags.get("pipprune.iterations", "0"))
+    refs = {ref.iteration: ref for ref in store.complete_checkpoints()}
+    for i in range(1, expected + 1):
+        ref = refs.get(i)
+        if ref is None:
+            problems.append(f"iteration {i}: no complete checkpoint (manifest) in S3")
+            continue
+        mismatches = store.verify_checkpoint(ref)
+        problems.extend(f"iteration {i}: {m}" for m in mismatches)
+        meta = ref.metadata
+        metrics = {k: float(v) for k, v in meta.get("metrics", {}).items()}
+        for metric, steps in history.items():
+            if metric in metrics and i in steps and abs(steps[i] - metrics[metric]) > 1e-6 * max(1.0, abs(steps[i])):
+                problems.append(f"iteration {i}: {metric} in S3 is {metrics[metric]} but MLflow logged {steps[i]}")
+        if meta.get("lineage", {}).get("pipprune.run_key") not in (None, tags["pipprune.run_key"]):
+            problems.append(f"iteration {i}: manifest belongs to run key {meta['lineage']['pipprune.run_key']}")
+        iterations.append(IterationRecord(
+            iteration=i, s3_uri=ref.uri, num_params=metrics.get("num_params") and int(metrics["num_params"]),
+            achieved_ratio=metrics.get("achieved_ratio"), units_removed=len(meta.get("units_removed", [])),
+            metrics=metrics, files_verified=len(ref.files) - len(mismatches)))
+    final = refs.get(expected)
+    if final is not None:
+        if final.manifest_sha256 != tags.get("pipprune.manifest_sha256"):
+            problems.append(f"final manifest sha256 {final.manifest_sha256[:12]} != registered "
+                            f"{tags.get('pipprune.manifest_sha256', '')[:12]}")
+        if final.metadata.get("model_fingerprint") != tags.get("pipprune.model_fingerprint"):
+            problems.append("final model fingerprint in S3 differs from the registered one")
+        if not (tags.get("pipprune.s3_uri") or "").startswith(final.uri):
+            problems.append(f"registered S3 URI {tags.get('pipprune.s3_uri')} is not under {final.uri}")
+    return Lineage(
+        name=name, version=str(mv.version), source_model=tags.get("pipprune.source_model", ""),
+        source_fingerprint=tags.get("pipprune.source_fingerprint", ""),
+        calibration_hash=tags.get("pipprune.calibration_hash", ""), config_digest=tags.get("pipprune.config_digest", ""),
+        code_digest=tags.get("pipprune.code_digest", ""), git_sha=tags.get("pipprune.git_sha", ""),
+        prefect_flow_run_id=tags.get("pipprune.prefect_flow_run_id", ""), mlflow_run_id=run_id,
+        final_s3_uri=tags.get("pipprune.s3_uri", ""), config=config, iterations=iterations, problems=problems)
+

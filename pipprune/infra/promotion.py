@@ -1,0 +1,130 @@
+"""Gated promotion: an alias moves to a model version only if its logged metrics pass every gate.
+
+Gates come from a config file so the bar is reviewed like code, and every decision is recorded
+on the version (who, when, why) so a later audit can see why a model became `champion`.
+"""
+
+from __future__ import annotations
+
+import getpass
+import math
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+#: MLflow's own alias rule, plus its reserved names
+_ALIAS = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
+_RESERVED = re.compile(r"^(latest|v\d+)$", re.IGNORECASE)
+
+
+class PromotionError(ValueError):
+    """Bad promotion input (unknown version, invalid alias, bad gate file)."""
+
+
+class PromotionGates(BaseModel):
+    """The bar a version must clear. Metric names are those logged by the compress flow."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    retained_min: dict[str, float] = Field(
+        default_factory=dict,
+        description="task.metric -> minimum final/source ratio, e.g. {'pipprune_wordnet_cloze.acc': 0.85}")
+    perplexity_increase_max: float | None = Field(
+        None, ge=0, description="maximum relative increase of held-out perplexity (0.5 = +50%)")
+    param_reduction_min: float | None = Field(None, ge=0, le=1, description="minimum fraction of params removed")
+
+    @classmethod
+    def from_file(cls, path: Path) -> "PromotionGates":
+        if not path.is_file():
+            raise PromotionError(f"gate file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise PromotionError(f"gate file {path} must hold a mapping")
+        return cls(**data.get("gates", data))
+
+
+class GateResult(BaseModel):
+    gate: str
+    passed: bool
+    observed: float | None
+    threshold: float
+    detail: str
+
+
+def check_alias(alias: str) -> None:
+    if not _ALIAS.match(alias) or _RESERVED.match(alias):
+        raise PromotionError(f"invalid alias {alias!r}: use letters, digits, '_' or '-', not 'latest' or 'v<N>'")
+
+
+def evaluate_gates(gates: PromotionGates, metrics: dict[str, float]) -> list[GateResult]:
+    """Compare logged `source.*` / `final.*` metrics with the gates; a missing metric fails its gate."""
+    results: list[GateResult] = []
+    for name, minimum in sorted(gates.retained_min.items()):
+        src, fin = metrics.get(f"source.{name}"), metrics.get(f"final.{name}")
+        if src is None or fin is None or not src:
+            results.append(GateResult(gate=f"retained {name}", passed=False, observed=None, threshold=minimum,
+                                      detail=f"metric source.{name} / final.{name} not logged for this version"))
+            continue
+        ratio = fin / src
+        results.append(GateResult(gate=f"retained {name}", passed=ratio >= minimum, observed=ratio, threshold=minimum,
+                                  detail=f"{fin:.4g} / {src:.4g} = {ratio:.3f} (need >= {minimum})"))
+    if gates.perplexity_increase_max is not None:
+        src, fin = metrics.get("source.heldout_perplexity"), metrics.get("final.heldout_perplexity")
+        if src is None or fin is None:
+            results.append(GateResult(gate="perplexity increase", passed=False, observed=None,
+                                      threshold=gates.perplexity_increase_max, detail="held-out perplexity not logged"))
+        else:
+            rise = fin / src - 1.0
+            results.append(GateResult(gate="perplexity increase", passed=math.isfinite(rise) and
+                                      rise <= gates.perplexity_increase_max, observed=rise,
+                                      threshold=gates.perplexity_increase_max,
+                                      detail=f"{src:.4g} -> {fin:.4g} (+{rise:.1%}, max +{gates.perplexity_increase_max:.1%})"))
+    if gates.param_reduction_min is not None:
+        got = metrics.get("final.achieved_ratio")
+        results.append(GateResult(gate="parameter reduction", passed=got is not None and got >= gates.param_reduction_min,
+                                  observed=got, threshold=gates.param_reduction_min,
+                                  detail="not logged" if got is None else f"{got:.2%} removed (need >= {gates.param_reduction_min:.2%})"))
+    return results
+
+
+class PromotionOutcome(BaseModel):
+    name: str
+    version: str
+    alias: str
+    promoted: bool
+    changed: bool
+    gates: list[GateResult]
+
+
+def promote(client, name: str, version: str, alias: str, gates: PromotionGates, reason: str = "") -> PromotionOutcome:  # noqa: ANN001
+    """Set `alias` on `name`/`version` if every gate passes; otherwise change nothing."""
+    from mlflow.exceptions import MlflowException
+
+    check_alias(alias)
+    try:
+        mv = client.get_model_version(name, version)
+    except MlflowException as exc:
+        raise PromotionError(f"model {name!r} has no version {version!r}") from exc
+    if not mv.run_id:
+        raise PromotionError(f"{name} v{version} has no MLflow run to read metrics from")
+    metrics = client.get_run(mv.run_id).data.metrics
+    results = evaluate_gates(gates, metrics)
+    passed = all(r.passed for r in results)
+    if not passed:
+        return PromotionOutcome(name=name, version=str(version), alias=alias, promoted=False, changed=False, gates=results)
+    try:
+        current = client.get_model_version_by_alias(name, alias).version
+    except MlflowException:
+        current = None
+    if str(current) == str(version):
+        return PromotionOutcome(name=name, version=str(version), alias=alias, promoted=True, changed=False, gates=results)
+    client.set_registered_model_alias(name, alias, version)
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    why = reason or "; ".join(r.detail for r in results) or "no gates configured"
+    for key, value in {"by": getpass.getuser(), "at": now, "why": why[:4000],
+                       "replaced_version": str(current or "")}.items():
+        client.set_model_version_tag(name, version, f"pipprune.promotion.{alias}.{key}", value)
+    return PromotionOutcome(name=name, version=str(version), alias=alias, promoted=True, changed=True, gates=results)

@@ -1,0 +1,29 @@
+"""Process set-up shared by every command: environment from settings, embedded stack if unconfigured.
+
+Called once at the top of a command, before Prefect or MLflow are imported, because both read
+their endpoints from the environment at import/first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pipprune.infra.settings import Settings, apply_process_env
+
+log = logging.getLogger(__name__)
+
+
+def prepare_runtime(start_stack: bool = True) -> Settings:
+    """Apply settings to the process; start (or reuse) the embedded stack for unset endpoints."""
+    settings = Settings()
+    apply_process_env(settings)
+    if start_stack and settings.uses_embedded_stack():
+        from pipprune.infra.stack import LocalStack
+
+        stack = LocalStack(settings)
+        stack.up(wait=True)
+        os.environ.update(stack.client_env())
+        settings = Settings()
+        apply_process_env(settings)
+    return settings
