@@ -1,0 +1,80 @@
+"""Job config validation and promotion gate logic (pure, no servers)."""
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from pipprune.config import CompressConfig, load_config_file
+from pipprune.infra.promotion import PromotionError, PromotionGates, check_alias, evaluate_gates
+
+BASE = dict(model="m", calibration="c.jsonl")
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0, -0.1, math.nan, 0.95])
+def test_ratio_out_of_range_is_rejected(ratio):
+    with pytest.raises(ValidationError, match="ratio"):
+        CompressConfig(**BASE, ratio=ratio)
+
+
+def test_iterations_zero_and_unknown_unit_rejected():
+    with pytest.raises(ValidationError, match="iterations"):
+        CompressConfig(**BASE, iterations=0)
+    with pytest.raises(ValidationError, match="unit"):
+        CompressConfig(**BASE, unit="neurons")
+
+
+def test_block_influence_alias_and_unit_check():
+    assert CompressConfig(**BASE, method="block-influence").method == "block_influence"
+    with pytest.raises(ValidationError, match="block"):
+        CompressConfig(**BASE, method="block-influence", unit="mlp")
+
+
+def test_digest_changes_with_result_defining_fields():
+    a = CompressConfig(**BASE)
+    assert a.digest() == CompressConfig(**BASE).digest()
+    assert a.digest() != CompressConfig(**BASE, seed=1).digest()
+
+
+def test_config_file_unknown_key_is_named(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("model: m\ncalibration: c\nratoi: 0.3\n")
+    with pytest.raises(ValidationError, match="ratoi"):
+        load_config_file(path)
+
+
+def test_config_file_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("model: m\ncalibration: c\nratio: 0.3\n")
+    assert load_config_file(path, ratio=0.1, unit=None).ratio == 0.1
+
+
+METRICS = {"source.cloze.acc": 0.5, "final.cloze.acc": 0.45, "source.heldout_perplexity": 20.0,
+           "final.heldout_perplexity": 26.0, "final.achieved_ratio": 0.2}
+
+
+def test_gates_pass_and_fail_on_the_right_gate():
+    ok = evaluate_gates(PromotionGates(retained_min={"cloze.acc": 0.85}, perplexity_increase_max=0.5,
+                                       param_reduction_min=0.15), METRICS)
+    assert all(g.passed for g in ok) and len(ok) == 3
+    bad = evaluate_gates(PromotionGates(retained_min={"cloze.acc": 0.95}, perplexity_increase_max=0.2,
+                                        param_reduction_min=0.15), METRICS)
+    assert [g.gate for g in bad if not g.passed] == ["retained cloze.acc", "perplexity increase"]
+
+
+def test_missing_metric_fails_its_gate():
+    (gate,) = evaluate_gates(PromotionGates(retained_min={"hellaswag.acc": 0.8}), METRICS)
+    assert not gate.passed and "not logged" in gate.detail
+
+
+def test_gate_file_unknown_key(tmp_path):
+    path = tmp_path / "gates.yaml"
+    path.write_text("gates:\n  retained_minimum: {a: 1}\n")
+    with pytest.raises(ValidationError, match="retained_minimum"):
+        PromotionGates.from_file(path)
+
+
+@pytest.mark.parametrize("alias", ["", "latest", "v3", "has space", "a/b"])
+def test_invalid_alias(alias):
+    with pytest.raises(PromotionError, match="alias"):
+        check_alias(alias)
