@@ -157,6 +157,54 @@ def eval_cmd(
     sys.stdout.write("\n")
 
 
+@app.command("plan")
+def plan_cmd(
+    model: str = typer.Option(..., help="hub id, local model dir, or a config.json file"),
+    unit: str = typer.Option("block", help="block | attn | mlp | width (scoring memory is the same)"),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
+    seq_len: int = typer.Option(128, help="calibration sequence length"),
+    gradient_checkpointing: bool = typer.Option(False, help="recompute activations in backward"),
+    device: str = typer.Option("cpu", help="device whose free memory to compare with"),
+) -> None:
+    """Memory each stage needs, from the config alone (no weights are loaded)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipprune.pip_core.memory_plan import available_bytes, plan_memory
+
+    config = _read_config(model)
+    try:
+        plan = plan_memory(config, dtype=dtype, batch=2, seq_len=seq_len,
+                           gradient_checkpointing=gradient_checkpointing)
+    except (ValueError, TypeError, KeyError) as exc:
+        fail(f"cannot plan memory for {model}: {exc}")
+    free = available_bytes(device)
+    table = Table(title=f"{model}: {plan.num_params:,} parameters, {dtype}, unit {unit}, seq {seq_len}")
+    table.add_column("stage")
+    table.add_column("GiB", justify="right")
+    for label, value in [("weights", plan.weights), ("largest live gradient", plan.gradients_peak),
+                         ("activations (2 views)", plan.activations), ("logits", plan.logits),
+                         ("peak: PIP scoring", plan.peak_scoring), ("peak: evaluation", plan.peak_eval),
+                         (f"free on {device}", free)]:
+        table.add_row(label, f"{value / 2**30:.2f}")
+    Console().print(table)
+    if plan.peak_scoring > free:
+        typer.secho("does not fit: PIP scoring needs more memory than is free", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+
+
+def _read_config(model: str) -> dict:
+    path = Path(model)
+    if path.is_file():
+        return json.loads(path.read_text())
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model).to_dict()
+    except (OSError, ValueError) as exc:
+        fail(f"cannot read a model config from {model!r}: {exc}")
+
+
 @app.command()
 def schedule(
     config: Path = typer.Option(..., help="YAML/JSON compress config (same keys as `compress`)"),
