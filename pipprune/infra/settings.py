@@ -1,0 +1,79 @@
+"""Settings from the environment (prefix PIPPRUNE_). No secrets live here: S3 credentials come from
+the standard AWS chain, so nothing that logs settings can leak them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_BUCKET = re.compile(r"^(?!xn--)(?!.*\.\.)[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PIPPRUNE_", env_nested_delimiter="__", extra="ignore")
+
+    home: Path = Field(default_factory=lambda: Path(".pipprune"), description="state dir (work files, stack data)")
+    s3_endpoint_url: str | None = None
+    s3_bucket: str = "pipprune"
+    s3_region: str = "us-east-1"
+    s3_max_attempts: int = Field(4, ge=1, le=20)
+    mlflow_tracking_uri: str | None = None
+    prefect_api_url: str | None = None
+    s3_port: int = Field(9310, ge=1, le=65535)
+    mlflow_port: int = Field(5310, ge=1, le=65535)
+    prefect_port: int = Field(4310, ge=1, le=65535)
+    registered_model_name: str = "pipprune-model"
+
+    @field_validator("home")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        return value.expanduser().resolve()
+
+    @field_validator("s3_bucket")
+    @classmethod
+    def _bucket(cls, value: str) -> str:
+        if not _BUCKET.match(value) or re.match(r"^\d+\.\d+\.\d+\.\d+$", value):
+            raise ValueError(f"invalid S3 bucket name {value!r}: 3-63 lowercase letters, digits, '.' or '-', "
+                             "starting and ending with a letter or digit")
+        return value
+
+    @property
+    def work_dir(self) -> Path:
+        return self.home / "work"
+
+    @property
+    def stack_dir(self) -> Path:
+        return self.home / "stack"
+
+    def uses_embedded_stack(self) -> bool:
+        """True when no endpoint is configured: the local stack on 127.0.0.1 is the default."""
+        return not (self.s3_endpoint_url or self.mlflow_tracking_uri or self.prefect_api_url)
+
+    def safe_dump(self) -> dict[str, str]:
+        """Settings for logs and lineage; holds no credentials by construction."""
+        return {k: str(v) for k, v in self.model_dump().items()}
+
+
+def apply_process_env(settings: Settings) -> None:
+    """Point Prefect, MLflow and Hugging Face at the state dir, offline and without telemetry."""
+    home = settings.home
+    defaults = {
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    if settings.mlflow_tracking_uri:
+        os.environ["MLFLOW_TRACKING_URI"] = settings.mlflow_tracking_uri
+    if settings.prefect_api_url:
+        os.environ["PREFECT_API_URL"] = settings.prefect_api_url
