@@ -37,8 +37,8 @@ SIZES = {
                           num_key_value_heads=2, intermediate_size=256, seq_len=128, batch_size=16, steps=500,
                           lr=3e-3, max_minutes=6.0),
     # several million parameters: the benchmark subject
-    "small": ReferenceSize(vocab_size=8192, hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
-                           num_key_value_heads=4, intermediate_size=688, seq_len=256, batch_size=16, steps=3000,
+    "small": ReferenceSize(vocab_size=8192, hidden_size=192, num_hidden_layers=6, num_attention_heads=6,
+                           num_key_value_heads=2, intermediate_size=512, seq_len=128, batch_size=16, steps=2500,
                            lr=2e-3, max_minutes=45.0),
 }
 
