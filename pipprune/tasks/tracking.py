@@ -7,6 +7,7 @@ concurrent flows in one process cannot log into each other's runs.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,10 @@ def log_iteration(run_id: str, iteration: int, metrics: dict[str, float], score_
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, iteration) for k, v in metrics.items()])
     folder = f"iterations/iter-{iteration}"
-    client.log_artifact(run_id, score_table, folder)
     with tempfile.TemporaryDirectory() as tmp:
+        table_path = Path(tmp) / "score_table.csv"
+        shutil.copyfile(score_table, table_path)
+        client.log_artifact(run_id, str(table_path), folder)
         units_path = Path(tmp) / "units_removed.json"
         units_path.write_text(json.dumps(units_removed, indent=1))
         client.log_artifact(run_id, str(units_path), folder)
