@@ -35,6 +35,11 @@ def stack_env(local_stack, tmp_path_factory):  # noqa: F811
     return env
 
 
+def s3_of(env: dict[str, str]):
+    return boto3.client("s3", endpoint_url=env["PIPPRUNE_S3_ENDPOINT_URL"], region_name="us-east-1",
+                        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+
+
 def _apply(env: dict[str, str], monkeypatch) -> None:
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -106,7 +111,7 @@ def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, monkeyp
     run = client.get_run(summary.mlflow_run_id)
     assert "final.pipprune_wordnet_cloze.acc" in run.data.metrics
 
-    s3 = boto3.client("s3", endpoint_url=stack_env["PIPPRUNE_S3_ENDPOINT_URL"])
+    s3 = s3_of(stack_env)
     bucket = os.environ.get("PIPPRUNE_S3_BUCKET", "pipprune")
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"runs/{summary.run_key}/")["Contents"]}
     for i in (1, 2):
@@ -157,13 +162,13 @@ def _cli_args(ref: Path, seed: int) -> list[str]:
 
 
 def _manifest_exists(env: dict[str, str], bucket: str, iteration: int) -> bool:
-    s3 = boto3.client("s3", endpoint_url=env["PIPPRUNE_S3_ENDPOINT_URL"])
+    s3 = s3_of(env)
     listing = s3.list_objects_v2(Bucket=bucket, Prefix="runs/")
     return any(o["Key"].endswith(f"/iter-{iteration}/manifest.json") for o in listing.get("Contents", []))
 
 
 def test_killed_run_resumes_and_matches_uninterrupted(stack_env, tiny_reference_dir, tmp_path):  # noqa: F811
-    s3 = boto3.client("s3", endpoint_url=stack_env["PIPPRUNE_S3_ENDPOINT_URL"])
+    s3 = s3_of(stack_env)
     for bucket in ("resume-clean", "resume-killed"):
         s3.create_bucket(Bucket=bucket)
     clean_env = {**stack_env, "PIPPRUNE_S3_BUCKET": "resume-clean", "PIPPRUNE_HOME": str(tmp_path / "clean")}
