@@ -1,0 +1,50 @@
+"""The tiny reference model: real text, GQA Llama, local lm-eval tasks that run offline."""
+
+import json
+
+import pytest
+
+from pipprune.infra.calibration import load_calibration
+from tests._reference_fixtures import tiny_reference_dir  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.slow
+
+
+def test_manifest_records_sources_licenses_and_quality(tiny_reference_dir):  # noqa: F811
+    manifest = json.loads((tiny_reference_dir / "manifest.json").read_text())
+    assert manifest["sources"]["kjv"]["license"] == "public domain"
+    assert manifest["sources"]["pydocs"]["license"] == "PSF-2.0"
+    assert all(len(manifest["sources"][k]["sha256"]) == 64 for k in ("austen", "kjv", "pydocs", "fortunes"))
+    config = manifest["config"]
+    assert config["num_key_value_heads"] < config["num_attention_heads"]
+    assert manifest["heldout_perplexity"] < manifest["uniform_perplexity"] / 5
+    assert manifest["training"]["final_train_loss"] < 6.0
+
+
+def test_model_loads_with_stock_transformers(tiny_reference_dir):  # noqa: F811
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_reference_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_reference_dir)
+    ids = tok("It is a truth universally acknowledged", return_tensors="pt")["input_ids"]
+    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
+
+
+def test_calibration_is_training_text_only(tiny_reference_dir):  # noqa: F811
+    persuasion = (tiny_reference_dir / "tasks" / "persuasion.jsonl").read_text().splitlines()
+    heldout = [json.loads(line)["text"][:80] for line in persuasion[:10]]
+    data = load_calibration(tiny_reference_dir / "calibration" / "calibration.jsonl", heldout_texts=heldout)
+    assert len(data) > 500
+    assert set(data["source"]) == {"austen", "kjv", "pydocs", "fortunes"}
+    assert "alter" in (tiny_reference_dir / "calibration" / "wordlist.txt").read_text().split()
+
+
+def test_local_tasks_run_through_lm_eval_offline(tiny_reference_dir):  # noqa: F811
+    from pipprune.infra.lmeval import run_lmeval
+
+    results = run_lmeval(tiny_reference_dir, ["pipprune_wordnet_cloze", "pipprune_persuasion"],
+                         include_path=tiny_reference_dir / "tasks", limit=120)
+    assert results["pipprune_wordnet_cloze"]["acc"] > 0.3  # chance is 0.25
+    assert 1.0 < results["pipprune_persuasion"]["byte_perplexity"] < 8.0
+    with pytest.raises(ValueError, match="unknown lm-eval task"):
+        run_lmeval(tiny_reference_dir, ["hellaswag_local"], include_path=tiny_reference_dir / "tasks")
