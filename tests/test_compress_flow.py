@@ -201,3 +201,94 @@ def test_killed_run_resumes_and_matches_uninterrupted(stack_env, tiny_reference_
         return {path: entry["sha256"] for path, entry in manifest["files"].items() if path.startswith("model/")}
 
     assert manifest_files("resume-killed") == manifest_files("resume-clean")
+
+
+class FlakyS3Proxy:
+    """A loopback HTTP proxy in front of the S3 server that answers 503 to its first `failures` requests."""
+
+    def __init__(self, upstream: str, failures: int) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlparse
+
+        target = urlparse(upstream)
+        proxy = self
+        self.failures, self.failed, self.forwarded = failures, 0, 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # noqa: ANN002 - silence
+                pass
+
+            def _raw_body(self) -> bytes | None:
+                """The request body as sent, chunked framing (and trailers) included."""
+                if "chunked" not in (self.headers.get("Transfer-Encoding") or ""):
+                    length = int(self.headers.get("Content-Length") or 0)
+                    return self.rfile.read(length) if length else None
+                raw = b""
+                while True:
+                    line = self.rfile.readline()
+                    raw += line
+                    size = int(line.split(b";")[0].strip(), 16)
+                    if size == 0:
+                        while True:
+                            trailer = self.rfile.readline()
+                            raw += trailer
+                            if trailer in (b"\r\n", b"\n", b""):
+                                return raw
+                    raw += self.rfile.read(size) + self.rfile.readline()
+
+            def _handle(self) -> None:
+                body = self._raw_body()
+                if proxy.failed < proxy.failures:
+                    proxy.failed += 1
+                    self.send_response(503)
+                    payload = b"<Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>"
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                proxy.forwarded += 1
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = target.netloc
+                conn.request(self.command, self.path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                length = response.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length or "0")
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def test_s3_failing_first_attempts_is_survived_by_retries(stack_env, tiny_reference_dir, tmp_path,  # noqa: F811
+                                                          monkeypatch):
+    s3_of(stack_env).create_bucket(Bucket="flaky")
+    proxy = FlakyS3Proxy(stack_env["PIPPRUNE_S3_ENDPOINT_URL"], failures=6)
+    try:
+        env = {**stack_env, "PIPPRUNE_S3_ENDPOINT_URL": proxy.url, "PIPPRUNE_S3_BUCKET": "flaky",
+               "PIPPRUNE_HOME": str(tmp_path / "home")}
+        _apply(env, monkeypatch)
+        summary = _run_flow(env, _config(tiny_reference_dir, unit="mlp", iterations=1, eval_tasks=(),
+                                         registered_model_name="tiny-flaky"))
+    finally:
+        proxy.close()
+    assert proxy.failed == 6 and proxy.forwarded > 0
+    listing = s3_of(stack_env).list_objects_v2(Bucket="flaky", Prefix=f"runs/{summary.run_key}/iter-1/")
+    assert any(o["Key"].endswith("manifest.json") for o in listing["Contents"])
