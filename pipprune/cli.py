@@ -33,15 +33,15 @@ def fail(message: str, code: int = 2) -> None:
 @app.command()
 def compress(
     model: str = typer.Option(..., help="Hugging Face hub id or local model directory"),
-    ratio: float = typer.Option(0.2, help="fraction of parameters to remove, in (0, 0.9]"),
-    unit: str = typer.Option("block", help="block | attn | mlp | width"),
-    method: str = typer.Option("pip", help="pip | random | magnitude | taylor | block-influence"),
-    iterations: int = typer.Option(4, help="prune/re-score steps to reach the ratio"),
+    ratio: Optional[float] = typer.Option(None, help="fraction of parameters to remove, in (0, 0.9] [default: 0.2]"),
+    unit: Optional[str] = typer.Option(None, help="block | attn | mlp | width [default: block]"),
+    method: Optional[str] = typer.Option(None, help="pip | random | magnitude | taylor | block-influence [default: pip]"),
+    iterations: Optional[int] = typer.Option(None, help="prune/re-score steps to reach the ratio [default: 4]"),
     calibration: Optional[str] = typer.Option(None, help="calibration JSONL/TXT or reference model dir "
                                               "(default: the model dir itself when it is a reference build)"),
     wordlist: Optional[str] = typer.Option(None, help="word list for the perturber (default: beside calibration)"),
-    n_samples: int = typer.Option(32, help="calibration pairs"),
-    seed: int = typer.Option(0),
+    n_samples: Optional[int] = typer.Option(None, help="calibration pairs [default: 32]"),
+    seed: Optional[int] = typer.Option(None, help="[default: 0]"),
     tasks: Optional[str] = typer.Option(None, help="lm-eval tasks for the final evaluation, comma separated"),
     include_path: Optional[str] = typer.Option(None, help="directory of local lm-eval task YAMLs"),
     eval_limit: Optional[int] = typer.Option(None, help="limit examples per lm-eval task"),
@@ -75,18 +75,25 @@ def compress(
             cfg = CompressConfig(**{k: v for k, v in fields.items() if v is not None})
     except (ValidationError, ValueError, FileNotFoundError) as exc:
         fail(_validation_message(exc))
+    from pipprune.infra.preflight import PreflightError, check_inputs, check_services
+
+    try:  # fail fast on inputs, before any server is started or contacted
+        check_inputs(cfg)
+    except (PreflightError, ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
     from pipprune.infra.runtime import prepare_runtime
 
-    settings = prepare_runtime()
-    from pipprune.flows.compress import compress_flow
-    from pipprune.tasks.calibration import CalibrationSource
-    from pipprune.tasks.models import ModelNotFoundError, _local_dir_for
+    from pipprune.infra.stack import StackError
 
-    try:  # fail fast on inputs, before any server round trip
-        _local_dir_for(cfg.model)
-        CalibrationSource(cfg.calibration, cfg.wordlist)
-    except (ModelNotFoundError, FileNotFoundError) as exc:
-        fail(str(exc))
+    try:
+        settings = prepare_runtime()
+        check_services(settings)
+    except ValidationError as exc:
+        fail("settings: " + _validation_message(exc))
+    except (PreflightError, StackError) as exc:
+        fail(str(exc), code=1)
+    from pipprune.flows.compress import compress_flow
+
     try:
         summary = compress_flow(cfg, out_dir=str(out.resolve()) if out else None)
     except ValueError as exc:

@@ -23,7 +23,7 @@ from pipprune.pip_core.units import SUPPORTED_MODEL_TYPES, check_supported, para
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save_pruned", "load", "check_loadable", "model_fingerprint", "param_count", "param_count_from_dir"]
+__all__ = ["save_pruned", "load", "check_loadable", "check_tokenizer", "model_fingerprint", "param_count", "param_count_from_dir"]
 
 #: files that describe a run, not the model (left out of the fingerprint)
 _NOT_MODEL_FILES = {"pipprune_provenance.json"}
@@ -107,6 +107,13 @@ def check_loadable(model_dir: str | Path) -> dict:
     if not list(Path(model_dir).glob("*.safetensors")):
         raise FileNotFoundError(f"{model_dir} has no .safetensors weights (pickled checkpoints are not loaded)")
     return config
+
+
+def check_tokenizer(model_dir: str | Path) -> None:
+    """Refuse a directory without tokenizer files before any work starts."""
+    names = {"tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"}
+    if not any((Path(model_dir) / n).is_file() for n in names):
+        raise FileNotFoundError(f"{model_dir} has no tokenizer (none of {sorted(names)})")
 
 
 def load(model_dir: str | Path, dtype: torch.dtype | str = torch.float32, device_map: str | None = None,

@@ -23,7 +23,7 @@ class ModelNotFoundError(ValueError):
     """The model id is neither a local directory nor resolvable on the hub/cache."""
 
 
-def _local_dir_for(model_id: str) -> Path:
+def local_model_dir(model_id: str) -> Path:
     path = Path(model_id).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -48,7 +48,7 @@ def _local_dir_for(model_id: str) -> Path:
       retry_condition_fn=retry_transient)
 def resolve_source(model_id: str) -> SourceRef:
     """Locate the source model, check it is a causal LM we can prune, and fingerprint it."""
-    local = _local_dir_for(model_id)
+    local = local_model_dir(model_id)
     core_io.check_loadable(local)
     fingerprint = core_io.model_fingerprint(local)
     num_params = core_io.param_count_from_dir(local)
