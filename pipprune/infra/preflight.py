@@ -38,8 +38,26 @@ def check_inputs(config: CompressConfig) -> None:
                              "see `pipprune plan`")
 
 
+def check_mlflow(uri: str | None) -> None:
+    """An HTTP tracking server must answer its health check (bounded: a few seconds)."""
+    import urllib.request
+
+    if not uri or not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:  # noqa: S310
+            if response.status == 200:
+                return
+    except OSError as exc:
+        raise PreflightError(f"cannot reach MLflow at {uri}: {exc}") from exc
+    raise PreflightError(f"MLflow at {uri} is not healthy")
+
+
 def check_services(settings: Settings) -> None:
     """The bucket exists and the credentials may use it; MLflow answers."""
+    import os
+
+    check_mlflow(settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
     import botocore.exceptions as bce
 
     from pipprune.infra.s3store import s3_client

@@ -70,6 +70,10 @@ def apply_process_env(settings: Settings) -> None:
         "DO_NOT_TRACK": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # bounded retries: a dead tracking server fails the run in seconds, not minutes
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)

@@ -1,0 +1,207 @@
+"""Faults, safety and concurrency against the real local stack (no mocks of pipprune code)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._reference_fixtures import tiny_reference_dir  # noqa: F401 - fixture
+from tests._stack_fixtures import local_stack  # noqa: F401 - fixture
+from tests.test_compress_flow import FlakyS3Proxy, s3_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.stack]
+ROOT = Path(__file__).resolve().parents[1]
+SECRET_ID = "AKIAPIPPRUNETESTKEY1"
+SECRET_KEY = "Zq8/SecretTestKeyThatMustNeverLeak+Xyz12"
+
+
+@pytest.fixture(scope="module")
+def env(local_stack, tmp_path_factory):  # noqa: F811
+    stack, _ = local_stack
+    return {**os.environ, **stack.client_env(), "PIPPRUNE_HOME": str(tmp_path_factory.mktemp("rel-home"))}
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipprune.cli", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def compress_args(ref: Path, name: str, *extra: str) -> list[str]:
+    return ["compress", "--model", str(ref), "--ratio", "0.2", "--unit", "mlp", "--iterations", "2",
+            "--n-samples", "4", "--tasks", "pipprune_wordnet_cloze", "--include-path", str(ref / "tasks"),
+            "--eval-limit", "10", "--name", name, "--json", *extra]
+
+
+def summary_of(done: subprocess.CompletedProcess) -> dict:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(done.stdout[done.stdout.index("{"):])
+
+
+def versions(env: dict[str, str], name: str) -> list:
+    from mlflow import MlflowClient
+
+    return MlflowClient(env["MLFLOW_TRACKING_URI"]).search_model_versions(f"name = '{name}'")
+
+
+def test_corrupted_checkpoint_is_never_loaded(env, tiny_reference_dir, tmp_path):  # noqa: F811
+    s3 = s3_of(env)
+    s3.create_bucket(Bucket="corrupt")
+    first_env = {**env, "PIPPRUNE_S3_BUCKET": "corrupt", "PIPPRUNE_HOME": str(tmp_path / "a")}
+    first = summary_of(cli(first_env, *compress_args(tiny_reference_dir, "rel-corrupt")))
+    key = f"runs/{first['run_key']}/iter-2/model/model.safetensors"
+    good = s3.get_object(Bucket="corrupt", Key=key)["Body"].read()
+    s3.put_object(Bucket="corrupt", Key=key, Body=good[:-8] + b"\0" * 8)  # same size, wrong bytes
+    # a fresh machine (empty state dir) must not resume from the corrupted iteration 2
+    second = summary_of(cli({**first_env, "PIPPRUNE_HOME": str(tmp_path / "b")},
+                            *compress_args(tiny_reference_dir, "rel-corrupt")))
+    assert second["iterations_resumed"] == 1
+    assert s3.get_object(Bucket="corrupt", Key=key)["Body"].read() == good  # recomputed identically
+
+
+def test_s3_stopped_mid_run_fails_clearly_then_resumes(env, tiny_reference_dir, tmp_path):  # noqa: F811
+    s3 = s3_of(env)
+    s3.create_bucket(Bucket="outage")
+    proxy = FlakyS3Proxy(env["PIPPRUNE_S3_ENDPOINT_URL"], failures=0)
+    port = proxy.server.server_address[1]
+    run_env = {**env, "PIPPRUNE_S3_BUCKET": "outage", "PIPPRUNE_S3_ENDPOINT_URL": proxy.url,
+               "PIPPRUNE_HOME": str(tmp_path / "h")}
+    victim = subprocess.Popen([sys.executable, "-m", "pipprune.cli", *compress_args(tiny_reference_dir, "rel-outage")],
+                              env=run_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not any(o["Key"].endswith("iter-1/manifest.json")
+                  for o in s3.list_objects_v2(Bucket="outage", Prefix="runs/").get("Contents", [])):
+        assert victim.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    proxy.close()
+    proxy.server.server_close()  # the S3 endpoint is now gone: connections are refused
+    out, _ = victim.communicate(timeout=300)
+    assert victim.returncode == 1, out[-2000:]
+    assert "compress failed" in out and ("Connect" in out or "connect" in out)
+    assert versions(env, "rel-outage") == []  # nothing registered
+    back = FlakyS3Proxy.__new__(FlakyS3Proxy)
+    FlakyS3Proxy.__init__(back, env["PIPPRUNE_S3_ENDPOINT_URL"], failures=0)
+    try:
+        resumed = summary_of(cli({**run_env, "PIPPRUNE_S3_ENDPOINT_URL": back.url},
+                                 *compress_args(tiny_reference_dir, "rel-outage")))
+    finally:
+        back.close()
+    assert resumed["iterations_resumed"] >= 1
+    assert len(versions(env, "rel-outage")) == 1
+    assert port  # the first endpoint really was a different, now-dead server
+
+
+def test_mlflow_unavailable_fails_fast_and_writes_nothing(env, tiny_reference_dir, tmp_path):  # noqa: F811
+    dead = {**env, "PIPPRUNE_MLFLOW_TRACKING_URI": "http://127.0.0.1:9", "MLFLOW_TRACKING_URI": "http://127.0.0.1:9",
+            "PIPPRUNE_S3_BUCKET": "nomlflow", "PIPPRUNE_HOME": str(tmp_path / "h")}
+    s3_of(env).create_bucket(Bucket="nomlflow")
+    done = cli(dead, *compress_args(tiny_reference_dir, "rel-nomlflow"))
+    assert done.returncode == 1 and "cannot reach MLflow" in done.stderr
+    assert "Contents" not in s3_of(env).list_objects_v2(Bucket="nomlflow")
+
+
+def test_disk_full_while_saving_leaves_no_manifest(env, tiny_reference_dir, tmp_path):  # noqa: F811
+    small = tmp_path / "tiny-disk"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(small)]).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        s3_of(env).create_bucket(Bucket="diskfull")
+        done = cli({**env, "PIPPRUNE_HOME": str(small), "PIPPRUNE_S3_BUCKET": "diskfull"},
+                   *compress_args(tiny_reference_dir, "rel-diskfull"))
+    finally:
+        subprocess.run(["umount", str(small)])
+    assert done.returncode != 0
+    assert "No space left" in done.stdout + done.stderr
+    keys = [o["Key"] for o in s3_of(env).list_objects_v2(Bucket="diskfull").get("Contents", [])]
+    assert not [k for k in keys if k.endswith("iter-2/manifest.json")]  # the step that hit the full disk
+    from pipprune.infra.s3store import CheckpointStore
+    from pipprune.infra.settings import Settings
+
+    for key in {k.split("/")[1] for k in keys}:  # whatever did get a manifest is complete and verifies
+        store = CheckpointStore.from_settings(Settings(s3_endpoint_url=env["PIPPRUNE_S3_ENDPOINT_URL"],
+                                                       s3_bucket="diskfull"), key)
+        assert all(store.verify_checkpoint(ref) == [] for ref in store.complete_checkpoints())
+    assert versions(env, "rel-diskfull") == []
+
+
+def test_credentials_never_leak(env, tiny_reference_dir, tmp_path):  # noqa: F811
+    leaky = {**env, "AWS_ACCESS_KEY_ID": SECRET_ID, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+             "PIPPRUNE_S3_BUCKET": "leaks", "PIPPRUNE_HOME": str(tmp_path / "h")}
+    s3_of(env).create_bucket(Bucket="leaks")
+    done = cli(leaky, *compress_args(tiny_reference_dir, "rel-leaks"))
+    summary = summary_of(done)
+    lineage = cli(leaky, "lineage", "rel-leaks", "--json")
+    assert lineage.returncode == 0, lineage.stdout + lineage.stderr
+    from mlflow import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    run = client.get_run(summary["mlflow_run_id"])
+    version = client.get_model_version("rel-leaks", summary["model_version"])
+    texts = [done.stdout, done.stderr, lineage.stdout, lineage.stderr, json.dumps(run.data.params),
+             json.dumps(run.data.tags), json.dumps(dict(version.tags))]
+    for path in Path(leaky["PIPPRUNE_HOME"]).rglob("*"):
+        if path.is_file() and path.stat().st_size < 5_000_000:
+            texts.append(path.read_bytes().decode("latin-1"))
+    for text in texts:
+        assert SECRET_ID not in text and SECRET_KEY not in text
+
+
+def test_checkpoints_are_safetensors_and_foreign_code_never_runs(tiny_reference_dir, tmp_path):  # noqa: F811
+    from pipprune.pip_core import io as core_io
+    from pipprune.pip_core.errors import UnsupportedArchitectureError
+
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil"
+    shutil.copytree(tiny_reference_dir, evil, ignore=shutil.ignore_patterns("tasks", "calibration"))
+    (evil / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    config = json.loads((evil / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (evil / "config.json").write_text(json.dumps(config))
+    model, _ = core_io.load(evil)  # stock class; the auto_map is ignored
+    assert type(model).__name__ == "LlamaForCausalLM" and not marker.exists()
+    config["model_type"] = "evil"
+    (evil / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="evil"):
+        core_io.load(evil)
+    assert not marker.exists()
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(tiny_reference_dir / "config.json", pickled / "config.json")
+    (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        core_io.load(pickled)
+
+
+def test_two_runs_at_once_do_not_clobber(env, tiny_reference_dir, tmp_path):  # noqa: F811
+    s3_of(env).create_bucket(Bucket="concurrent")
+    procs = []
+    for seed in (11, 12):
+        run_env = {**env, "PIPPRUNE_S3_BUCKET": "concurrent", "PIPPRUNE_HOME": str(tmp_path / f"h{seed}")}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "pipprune.cli", *compress_args(tiny_reference_dir, "rel-concurrent", "--seed",
+                                                                 str(seed))],
+            env=run_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    summaries = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, out[-2000:] + err[-2000:]
+        summaries.append(json.loads(out[out.index("{"):]))
+    assert summaries[0]["run_key"] != summaries[1]["run_key"]
+    assert summaries[0]["model_version"] != summaries[1]["model_version"]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    for summary in summaries:
+        version = client.get_model_version("rel-concurrent", summary["model_version"])
+        assert version.tags["pipprune.run_key"] == summary["run_key"]
+        assert version.source == summary["s3_uri"]
+        manifest = json.loads(s3_of(env).get_object(
+            Bucket="concurrent", Key=f"runs/{summary['run_key']}/iter-2/manifest.json")["Body"].read())
+        assert manifest["run_key"] == summary["run_key"]
