@@ -122,11 +122,9 @@ def test_disk_full_while_saving_leaves_no_manifest(env, tiny_reference_dir, tmp_
     keys = [o["Key"] for o in s3_of(env).list_objects_v2(Bucket="diskfull").get("Contents", [])]
     assert not [k for k in keys if k.endswith("iter-2/manifest.json")]  # the step that hit the full disk
     from pipprune.infra.s3store import CheckpointStore
-    from pipprune.infra.settings import Settings
 
     for key in {k.split("/")[1] for k in keys}:  # whatever did get a manifest is complete and verifies
-        store = CheckpointStore.from_settings(Settings(s3_endpoint_url=env["PIPPRUNE_S3_ENDPOINT_URL"],
-                                                       s3_bucket="diskfull"), key)
+        store = CheckpointStore(s3_of(env), "diskfull", key)
         assert all(store.verify_checkpoint(ref) == [] for ref in store.complete_checkpoints())
     assert versions(env, "rel-diskfull") == []
 

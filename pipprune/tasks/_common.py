@@ -27,11 +27,15 @@ def key_from(*param_names: str) -> Callable[[TaskRunContext, dict[str, Any]], st
 
     The task name is part of the key because Prefect's INPUTS policy alone lets two tasks with
     equal inputs return each other's results (see the stack notes). Parameters must be content
-    descriptors (hashes, refs, configs), never live objects.
+    descriptors (hashes, refs, configs), never live objects. The state dir is part of the key
+    too: results name files under it, which exist only on the machine (and dir) that wrote
+    them; across machines, runs resume from the S3 checkpoints instead.
     """
 
     def _key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-        parts = [context.task.name]
+        from pipprune.infra.settings import Settings
+
+        parts = [context.task.name, str(Settings().work_dir)]
         for name in param_names:
             value = parameters.get(name)
             parts.append(value.model_dump(mode="json") if hasattr(value, "model_dump") else value)
