@@ -1,0 +1,50 @@
+"""Shared benchmark plumbing: inputs from the reference build, results as JSON + a markdown table."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_MODEL = ROOT / ".pipprune" / "reference" / "small"
+
+
+def environment() -> dict:
+    return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "when": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def calibration_pairs(model_dir: Path, n: int, seed: int) -> tuple[list[tuple[str, str]], list[str]]:
+    """(original, perturbed) pairs from the reference build's calibration data, as the pipeline makes them."""
+    from pipprune.infra.calibration import load_calibration
+    from pipprune.pip_core.perturb import Perturber
+    from pipprune.pip_core.wordlist import WordList
+
+    data = load_calibration(model_dir / "calibration" / "calibration.jsonl", n_samples=n, seed=seed)
+    words = WordList.from_file(model_dir / "calibration" / "wordlist.txt")
+    result = Perturber(words, seed=seed).perturb_many(list(data["text"]))
+    return [(p.original, p.perturbed) for p in result.pairs], list(data["text"])
+
+
+def write(name: str, payload: dict, table: list[str]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "environment": environment(), **payload}
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str))
+    md = RESULTS / f"{name}.md"
+    md.write_text("\n".join(table) + "\n")
+    return md
+
+
+class Timer:
+    def __enter__(self) -> "Timer":
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.start
