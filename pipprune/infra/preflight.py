@@ -56,8 +56,6 @@ def check_mlflow(uri: str | None) -> None:
 def check_services(settings: Settings) -> None:
     """The bucket exists and the credentials may use it; MLflow answers."""
     import os
-
-    check_mlflow(settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
     import botocore.exceptions as bce
 
     from pipprune.infra.s3store import s3_client
@@ -79,4 +77,4 @@ def check_services(settings: Settings) -> None:
         raise PreflightError(f"S3 bucket {settings.s3_bucket!r} at {where}: {exc}") from exc
     except (bce.EndpointConnectionError, bce.ConnectTimeoutError) as exc:
         raise PreflightError(f"cannot reach S3 at {where}: {exc}") from exc
-
+    check_mlflow(settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
