@@ -252,3 +252,20 @@ def test_unreachable_target_is_refused(tok):
     model = llama(tok, layers=3)
     with pytest.raises(PipCoreError, match="cannot remove"):
         schedule.prune_iteratively(model, tok, "magnitude", "block", 0.9, 1, progress=False)
+
+
+def test_lora_recovery_lowers_loss_and_merges_into_a_plain_directory(tok, trained, tmp_path):
+    from pipprune.pip_core.perplexity import perplexity
+    from pipprune.pip_core.recovery import recover_lora
+
+    model = copy.deepcopy(trained)
+    schedule.prune_iteratively(model, tok, "magnitude", "width", 0.3, 1, progress=False, protect_first=0,
+                               protect_last=0)
+    before = perplexity(model, tok, SENTENCES)["perplexity"]
+    model, report = recover_lora(model, tok, SENTENCES, steps=30, batch_size=4, progress=False)
+    assert perplexity(model, tok, SENTENCES)["perplexity"] < before
+    assert report.last_loss < report.first_loss
+    io.save_pruned(model, tok, tmp_path / "r")
+    assert not list((tmp_path / "r").glob("adapter*"))
+    reloaded, _ = io.load(tmp_path / "r")
+    torch.testing.assert_close(reloaded(X).logits, model(X).logits, atol=1e-5, rtol=0)
