@@ -269,3 +269,13 @@ def test_lora_recovery_lowers_loss_and_merges_into_a_plain_directory(tok, traine
     assert not list((tmp_path / "r").glob("adapter*"))
     reloaded, _ = io.load(tmp_path / "r")
     torch.testing.assert_close(reloaded(X).logits, model(X).logits, atol=1e-5, rtol=0)
+
+
+def test_gradient_checkpointing_gives_the_same_pip_scores(tok, trained):
+    model = copy.deepcopy(trained)
+    found = units.discover(model, "width")
+    plain = importance.score(model, "pip", found, tokenizer=tok, pairs=PAIRS, progress=False)
+    ckpt = importance.score(model, "pip", found, tokenizer=tok, pairs=PAIRS, progress=False,
+                            gradient_checkpointing=True)
+    torch.testing.assert_close(plain, ckpt, rtol=1e-5, atol=1e-8)
+    assert not model.training and not model.is_gradient_checkpointing

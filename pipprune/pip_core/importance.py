@@ -259,8 +259,12 @@ def random_scores(units: Sequence[Unit], seed: int) -> torch.Tensor:
 
 def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=None,  # noqa: ANN001
           pairs: Sequence[tuple[str, str]] | None = None, texts: Sequence[str] | None = None, seed: int = 0,
-          max_length: int = 128, progress: bool = True) -> torch.Tensor:
-    """Importance of each unit (float64, aligned with `units`; higher = keep)."""
+          max_length: int = 128, progress: bool = True, gradient_checkpointing: bool = False) -> torch.Tensor:
+    """Importance of each unit (float64, aligned with `units`; higher = keep).
+
+    `gradient_checkpointing` recomputes each layer's activations during backward instead of
+    storing them: same scores, activation memory of one layer instead of all (for large models).
+    """
     if method not in METHODS:
         raise PipCoreError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
     check_supported(model)
@@ -268,6 +272,12 @@ def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=Non
         raise PipCoreError("no units to score")
     was_training = model.training
     model.eval()
+    if gradient_checkpointing:
+        if getattr(model.config, "attention_dropout", 0.0) or getattr(model.config, "hidden_dropout", 0.0):
+            raise PipCoreError("gradient checkpointing needs train mode; this model has dropout, which would "
+                               "make scores random")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # HF only checkpoints in train mode; without dropout the maths is identical
     torch.manual_seed(seed)
     try:
         if method == "random":
@@ -283,4 +293,6 @@ def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=Non
             return taylor(model, tokenizer, calib, units, max_length, progress)
         return block_influence(model, tokenizer, calib, units, max_length, progress)
     finally:
+        if gradient_checkpointing:
+            model.gradient_checkpointing_disable()
         model.train(was_training)
