@@ -129,28 +129,6 @@ def test_disk_full_while_saving_leaves_no_manifest(env, tiny_reference_dir, tmp_
     assert versions(env, "rel-diskfull") == []
 
 
-def test_credentials_never_leak(env, tiny_reference_dir, tmp_path):  # noqa: F811
-    leaky = {**env, "AWS_ACCESS_KEY_ID": SECRET_ID, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-             "PIPPRUNE_S3_BUCKET": "leaks", "PIPPRUNE_HOME": str(tmp_path / "h")}
-    s3_of(env).create_bucket(Bucket="leaks")
-    done = cli(leaky, *compress_args(tiny_reference_dir, "rel-leaks"))
-    summary = summary_of(done)
-    lineage = cli(leaky, "lineage", "rel-leaks", "--json")
-    assert lineage.returncode == 0, lineage.stdout + lineage.stderr
-    from mlflow import MlflowClient
-
-    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    run = client.get_run(summary["mlflow_run_id"])
-    version = client.get_model_version("rel-leaks", summary["model_version"])
-    texts = [done.stdout, done.stderr, lineage.stdout, lineage.stderr, json.dumps(run.data.params),
-             json.dumps(run.data.tags), json.dumps(dict(version.tags))]
-    for path in Path(leaky["PIPPRUNE_HOME"]).rglob("*"):
-        if path.is_file() and path.stat().st_size < 5_000_000:
-            texts.append(path.read_bytes().decode("latin-1"))
-    for text in texts:
-        assert SECRET_ID not in text and SECRET_KEY not in text
-
-
 def test_checkpoints_are_safetensors_and_foreign_code_never_runs(tiny_reference_dir, tmp_path):  # noqa: F811
     from pipprune.pip_core import io as core_io
     from pipprune.pip_core.errors import UnsupportedArchitectureError
@@ -177,25 +155,32 @@ def test_checkpoints_are_safetensors_and_foreign_code_never_runs(tiny_reference_
         core_io.load(pickled)
 
 
-def test_two_runs_at_once_do_not_clobber(env, tiny_reference_dir, tmp_path):  # noqa: F811
+def test_two_runs_at_once_do_not_clobber_and_never_leak_credentials(env, tiny_reference_dir, tmp_path):  # noqa: F811
+    """Two runs share the stack at once; both use recognisable secret credentials that must appear nowhere."""
     s3_of(env).create_bucket(Bucket="concurrent")
     procs = []
     for seed in (11, 12):
-        run_env = {**env, "PIPPRUNE_S3_BUCKET": "concurrent", "PIPPRUNE_HOME": str(tmp_path / f"h{seed}")}
+        run_env = {**env, "PIPPRUNE_S3_BUCKET": "concurrent", "PIPPRUNE_HOME": str(tmp_path / f"h{seed}"),
+                   "AWS_ACCESS_KEY_ID": SECRET_ID, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "pipprune.cli", *compress_args(tiny_reference_dir, "rel-concurrent", "--seed",
                                                                  str(seed))],
             env=run_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    summaries = []
+    summaries, texts = [], []
     for proc in procs:
         out, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, out[-2000:] + err[-2000:]
         summaries.append(json.loads(out[out.index("{"):]))
+        texts += [out, err]
     assert summaries[0]["run_key"] != summaries[1]["run_key"]
     assert summaries[0]["model_version"] != summaries[1]["model_version"]
     from mlflow import MlflowClient
 
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    lineage = cli({**env, "PIPPRUNE_S3_BUCKET": "concurrent", "AWS_ACCESS_KEY_ID": SECRET_ID,
+                   "AWS_SECRET_ACCESS_KEY": SECRET_KEY}, "lineage", "rel-concurrent", "--json")
+    assert lineage.returncode == 0, lineage.stdout + lineage.stderr
+    texts += [lineage.stdout, lineage.stderr]
     for summary in summaries:
         version = client.get_model_version("rel-concurrent", summary["model_version"])
         assert version.tags["pipprune.run_key"] == summary["run_key"]
@@ -203,3 +188,11 @@ def test_two_runs_at_once_do_not_clobber(env, tiny_reference_dir, tmp_path):  # 
         manifest = json.loads(s3_of(env).get_object(
             Bucket="concurrent", Key=f"runs/{summary['run_key']}/iter-2/manifest.json")["Body"].read())
         assert manifest["run_key"] == summary["run_key"]
+        run = client.get_run(summary["mlflow_run_id"])
+        texts += [json.dumps(run.data.params), json.dumps(run.data.tags), json.dumps(dict(version.tags)),
+                  json.dumps(manifest)]
+    for path in tmp_path.rglob("*"):
+        if path.is_file() and path.stat().st_size < 5_000_000:
+            texts.append(path.read_bytes().decode("latin-1"))
+    for text in texts:
+        assert SECRET_ID not in text and SECRET_KEY not in text

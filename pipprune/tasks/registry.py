@@ -24,7 +24,11 @@ def register_model(name: str, source_uri: str, run_id: str, tags: dict[str, str]
     try:
         client.get_registered_model(name)
     except MlflowException:
-        client.create_registered_model(name, description="Models compressed by pipprune (PIP)")
+        try:
+            client.create_registered_model(name, description="Models compressed by pipprune (PIP)")
+        except MlflowException as exc:  # a concurrent run registered the name first
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
     wanted = (tags["pipprune.run_key"], tags["pipprune.model_fingerprint"])
     for version in client.search_model_versions(f"name = '{name}'"):
         if (version.tags.get("pipprune.run_key"), version.tags.get("pipprune.model_fingerprint")) == wanted:

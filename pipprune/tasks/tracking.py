@@ -26,12 +26,25 @@ EXPERIMENT = "pipprune-compress"
 def open_tracking_run(run_key: str, params: dict[str, Any], tags: dict[str, str]) -> str:
     """Create the MLflow run of this flow run; returns its id."""
     client = mlflow_client()
-    experiment = client.get_experiment_by_name(EXPERIMENT)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(EXPERIMENT)
-    run = client.create_run(experiment_id, tags={"pipprune.run_key": run_key, **tags},
+    run = client.create_run(experiment_id(client), tags={"pipprune.run_key": run_key, **tags},
                             run_name=f"compress-{run_key[:8]}")
     client.log_batch(run.info.run_id, params=_params(params))
     return run.info.run_id
+
+
+def experiment_id(client) -> str:  # noqa: ANN001
+    """The experiment's id, creating it once even when several runs start at the same moment."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(EXPERIMENT)
+    except MlflowException as exc:  # another run created it between our two calls
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(EXPERIMENT).experiment_id
 
 
 def _params(params: dict[str, Any]) -> list:
