@@ -38,4 +38,10 @@ stack-down:
 	$(BIN)/pipprune stack down
 
 bench: install data
-	$(BIN)/python -m benchmarks.run_all
+	$(BIN)/pipprune reference build --size small --out $(STATE)/reference/small
+	$(BIN)/python -m benchmarks.quality
+	$(BIN)/python -m benchmarks.cost
+	$(BIN)/python -m benchmarks.overhead
+	$(BIN)/python -m benchmarks.inference
+	$(BIN)/python -m benchmarks.recovery
+	$(BIN)/python -m benchmarks.report
