@@ -17,7 +17,6 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from pipprune.config import CompressConfig
-from pipprune.infra.settings import Settings
 from pipprune.pip_core.schedule import plan as plan_schedule
 from pipprune.tasks.calibration import CalibrationSource, prepare_calibration
 from pipprune.tasks.evaluation import evaluate, quick_eval, tasks_digest
