@@ -29,11 +29,12 @@ def test_dask_fan_out_matches_sequential(local_stack, tiny_reference_dir, tmp_pa
     dense = tmp_path / "dense"
     shutil.copytree(tiny_reference_dir, dense, ignore=shutil.ignore_patterns("tasks", "calibration"))
     dirs = [str(dense), str(pruned)]
-    args = (("pipprune_wordnet_cloze",), str(tiny_reference_dir / "tasks"), 40)
+    args = (("pipprune_wordnet_cloze", "pipprune_persuasion"), str(tiny_reference_dir / "tasks"), 20)
     with temporary_settings(updates={PREFECT_API_URL: stack.client_env()["PREFECT_API_URL"]}):
         sequential = evaluate_models_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=1))(dirs, *args)
         parallel = evaluate_models_flow.with_options(task_runner=dask_runner(n_workers=2))(dirs, *args)
     for d in dirs:
         assert parallel[d]["results"] == sequential[d]["results"]
         assert sequential[d]["worker"] is None and parallel[d]["worker"].startswith("tcp://127.0.0.1")
-    assert sequential[str(dense)]["results"] != sequential[str(pruned)]["results"]
+    dense_ppl = sequential[str(dense)]["results"]["pipprune_persuasion"]["word_perplexity"]
+    assert sequential[str(pruned)]["results"]["pipprune_persuasion"]["word_perplexity"] != dense_ppl
