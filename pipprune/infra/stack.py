@@ -64,6 +64,37 @@ def _pid_alive(pid: int | None) -> bool:
         return True
 
 
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except OSError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while any process of the group exists (zombies of our own children excluded by reaping)."""
+    try:
+        os.killpg(pgid, 0)
+    except OSError:
+        return False
+    return _pid_alive(pgid) or any(
+        _pid_alive(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid_of(int(p.name)) == pgid)
+
+
+def _pgid_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except (ChildProcessError, OSError):
+        pass
+
+
 def _http_ok(url: str, expect: str | None = None) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - loopback only
@@ -190,29 +221,23 @@ class LocalStack:
             client.create_bucket(Bucket=self.settings.s3_bucket)
 
     def down(self, timeout: float = 15.0) -> None:
-        """Stop every process group this stack started; SIGKILL what ignores SIGTERM."""
+        """Stop every process group this stack started; SIGKILL what ignores SIGTERM.
+
+        Whole groups are signalled even when their leader already died, because servers such as
+        MLflow leave worker children (uvicorn, job consumers) in the leader's group.
+        """
         state = self._read_state()
-        for entry in state.values():
-            pid = entry.get("pid")
-            if _pid_alive(pid):
-                try:
-                    os.killpg(pid, signal.SIGTERM)
-                except OSError:
-                    pass
+        groups = [entry["pid"] for entry in state.values() if entry.get("pid")]
+        for pgid in groups:
+            _signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for entry in state.values():
-            pid = entry.get("pid")
-            while _pid_alive(pid) and time.monotonic() < deadline:
+        for pgid in groups:
+            while _group_alive(pgid) and time.monotonic() < deadline:
+                _reap(pgid)
                 time.sleep(0.2)
-            if _pid_alive(pid):
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            try:  # reap if it was our child
-                os.waitpid(pid, os.WNOHANG)
-            except (ChildProcessError, OSError, TypeError):
-                pass
+            if _group_alive(pgid):
+                _signal_group(pgid, signal.SIGKILL)
+            _reap(pgid)
         if self.state_file.exists():
             self.state_file.unlink()
 
