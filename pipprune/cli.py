@@ -94,8 +94,11 @@ def compress(
         fail(str(exc), code=1)
     from pipprune.flows.compress import compress_flow
 
+    from pipprune.infra.runtime import prefect_settings
+
     try:
-        summary = compress_flow(cfg, out_dir=str(out.resolve()) if out else None)
+        with prefect_settings():
+            summary = compress_flow(cfg, out_dir=str(out.resolve()) if out else None)
     except ValueError as exc:
         fail(str(exc))
     except Exception as exc:  # noqa: BLE001 - report, exit non-zero
@@ -237,13 +240,16 @@ def schedule(
     prepare_runtime()
     from pipprune.flows.schedule import deploy_to_pool, serve_locally
 
+    from pipprune.infra.runtime import prefect_settings
+
     out_dir = str(out.resolve()) if out else None
-    if work_pool:
-        deployment_id = deploy_to_pool(cfg, cron, name, work_pool, out_dir)
-        typer.echo(f"deployment compress/{name} ({deployment_id}) on pool {work_pool!r}, cron {cron!r}")
-    else:
-        typer.echo(f"serving compress/{name} on cron {cron!r} (Ctrl-C to stop)")
-        serve_locally(cfg, cron, name, out_dir)
+    with prefect_settings():
+        if work_pool:
+            deployment_id = deploy_to_pool(cfg, cron, name, work_pool, out_dir)
+            typer.echo(f"deployment compress/{name} ({deployment_id}) on pool {work_pool!r}, cron {cron!r}")
+        else:
+            typer.echo(f"serving compress/{name} on cron {cron!r} (Ctrl-C to stop)")
+            serve_locally(cfg, cron, name, out_dir)
 
 
 if __name__ == "__main__":  # pragma: no cover

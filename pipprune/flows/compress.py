@@ -18,7 +18,8 @@ from pydantic import BaseModel
 
 from pipprune.config import CompressConfig
 from pipprune.pip_core.schedule import plan as plan_schedule
-from pipprune.tasks.calibration import CalibrationSource, prepare_calibration
+from pipprune.infra.calibration import CalibrationSource
+from pipprune.tasks.calibration import prepare_calibration
 from pipprune.tasks.evaluation import evaluate, quick_eval, tasks_digest
 from pipprune.tasks.models import resolve_source
 from pipprune.tasks.pruning import checkpoint, prune_step

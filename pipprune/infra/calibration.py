@@ -16,6 +16,7 @@ import pandas as pd
 import pandera.pandas as pa
 from datasets import Dataset
 
+from pipprune.infra.hashing import sha256_file
 from pipprune.pip_core.errors import CalibrationError
 
 
@@ -112,3 +113,27 @@ def windows(texts: Iterable[str], words_per_window: int, n: int | None, seed: in
         picked = sorted(random.Random(seed).sample(range(len(out)), n))
         out = [out[i] for i in picked]
     return out
+
+
+class CalibrationSource:
+    """Where calibration text and its word list live: a file, or a reference model directory."""
+
+    def __init__(self, spec: str, wordlist: str | None = None) -> None:
+        path = Path(spec).expanduser().resolve()
+        if path.is_dir():
+            candidate = path / "calibration" / "calibration.jsonl"
+            if not candidate.is_file():
+                raise FileNotFoundError(f"{path} is a directory without calibration/calibration.jsonl")
+            path = candidate
+        if not path.is_file():
+            raise FileNotFoundError(f"calibration file not found: {spec}")
+        self.path = path
+        beside = path.parent / "wordlist.txt"
+        self.wordlist = Path(wordlist).expanduser().resolve() if wordlist else (beside if beside.is_file() else None)
+        if self.wordlist is not None and not self.wordlist.is_file():
+            raise FileNotFoundError(f"word list not found: {wordlist}")
+
+    def digest(self) -> str:
+        """Content of the calibration file and word list, for cache keys."""
+        parts = [sha256_file(self.path), sha256_file(self.wordlist) if self.wordlist else ""]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()

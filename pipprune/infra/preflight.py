@@ -16,11 +16,10 @@ class PreflightError(ValueError):
 
 def check_inputs(config: CompressConfig) -> None:
     """Model directory, architecture, tokenizer, calibration file, memory: all before any work."""
-    from pipprune.infra.calibration import load_calibration
+    from pipprune.infra.calibration import CalibrationSource, load_calibration
+    from pipprune.infra.model_source import local_model_dir
     from pipprune.pip_core import io as core_io
     from pipprune.pip_core.memory_plan import available_bytes, plan_memory
-    from pipprune.tasks.calibration import CalibrationSource
-    from pipprune.tasks.models import local_model_dir
 
     local = local_model_dir(config.model)
     model_config = core_io.check_loadable(local)

@@ -27,3 +27,17 @@ def prepare_runtime(start_stack: bool = True) -> Settings:
         settings = Settings()
         apply_process_env(settings)
     return settings
+
+
+def prefect_settings():  # noqa: ANN201
+    """Prefect settings for the API URL now in the environment.
+
+    Prefect reads its settings when first imported; a command that imported it before
+    `prepare_runtime` set PREFECT_API_URL would otherwise start a throwaway local server.
+    """
+    from contextlib import nullcontext
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    url = os.environ.get("PREFECT_API_URL")
+    return temporary_settings(updates={PREFECT_API_URL: url}) if url else nullcontext()

@@ -8,38 +8,14 @@ from pathlib import Path
 
 from prefect import task
 
-from pipprune.infra.calibration import calibration_hash, load_calibration
-from pipprune.infra.hashing import sha256_file
+from pipprune.infra.calibration import CalibrationSource, calibration_hash, load_calibration
 from pipprune.infra.settings import Settings
 from pipprune.pip_core.perturb import Perturber
 from pipprune.pip_core.wordlist import WordList
-from pipprune.tasks._common import content_key, key_from
+from pipprune.tasks._common import key_from
 from pipprune.tasks.refs import CalibrationRef
 
 log = logging.getLogger(__name__)
-
-
-class CalibrationSource:
-    """Where calibration text and its word list live: a file, or a reference model directory."""
-
-    def __init__(self, spec: str, wordlist: str | None = None) -> None:
-        path = Path(spec).expanduser().resolve()
-        if path.is_dir():
-            candidate = path / "calibration" / "calibration.jsonl"
-            if not candidate.is_file():
-                raise FileNotFoundError(f"{path} is a directory without calibration/calibration.jsonl")
-            path = candidate
-        if not path.is_file():
-            raise FileNotFoundError(f"calibration file not found: {spec}")
-        self.path = path
-        beside = path.parent / "wordlist.txt"
-        self.wordlist = Path(wordlist).expanduser().resolve() if wordlist else (beside if beside.is_file() else None)
-        if self.wordlist is not None and not self.wordlist.is_file():
-            raise FileNotFoundError(f"word list not found: {wordlist}")
-
-    def digest(self) -> str:
-        """Content of the calibration file and word list, for cache keys."""
-        return content_key(sha256_file(self.path), sha256_file(self.wordlist) if self.wordlist else None)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -11,37 +11,13 @@ from pathlib import Path
 
 from prefect import task
 
+from pipprune.infra.model_source import ModelNotFoundError, local_model_dir  # noqa: F401 - re-exported
 from pipprune.infra.settings import Settings
 from pipprune.pip_core import io as core_io
 from pipprune.tasks._common import RETRIES, RETRY_DELAYS, retry_transient
 from pipprune.tasks.refs import ModelRef, SourceRef
 
 log = logging.getLogger(__name__)
-
-
-class ModelNotFoundError(ValueError):
-    """The model id is neither a local directory nor resolvable on the hub/cache."""
-
-
-def local_model_dir(model_id: str) -> Path:
-    path = Path(model_id).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
-        return path.resolve()
-    if model_id.startswith((".", "/", "~")) or model_id.count("/") > 1:
-        raise ModelNotFoundError(f"model path does not exist: {model_id}")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    try:
-        return Path(snapshot_download(repo_id=model_id, allow_patterns=[
-            "*.json", "*.safetensors", "*.model", "*.txt", "*.py", "tokenizer*"]))
-    except (HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, OSError) as exc:
-        raise ModelNotFoundError(
-            f"model {model_id!r} is neither a local directory nor available from the Hugging Face "
-            f"hub/cache ({type(exc).__name__}: {exc})"
-        ) from exc
 
 
 @task(name="resolve-source", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS,
