@@ -138,7 +138,7 @@ def test_removing_a_block_equals_model_without_that_layer(tok):
     hand.load_state_dict(state)
     torch.testing.assert_close(pruned(X).logits, hand(X).logits, atol=1e-5, rtol=0)
     assert [layer.self_attn.layer_idx for layer in pruned.model.layers] == [0, 1, 2]
-    assert pruned.generate(X, max_new_tokens=3, do_sample=False).shape[1] == X.shape[1] + 3
+    assert pruned.generate(X, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape[1] == X.shape[1] + 3
 
 
 CASES = [(m, k) for m in ("pip", "random", "magnitude", "taylor") for k in ("width", "attn", "mlp", "block")]
@@ -162,7 +162,7 @@ def test_ratio_02_hits_target_and_round_trips(tok, trained, trained_fine_attn, t
     torch.testing.assert_close(reloaded(X).logits, model(X).logits, atol=1e-5, rtol=0)
     stock = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=per_layer)
     torch.testing.assert_close(stock(X).logits, model(X).logits, atol=1e-5, rtol=0)
-    assert reloaded.generate(X, max_new_tokens=3, do_sample=False).shape[1] == X.shape[1] + 3
+    assert reloaded.generate(X, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape[1] == X.shape[1] + 3
     assert tok2("the host")["input_ids"] == tok("the host")["input_ids"]
 
 

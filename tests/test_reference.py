@@ -27,7 +27,7 @@ def test_model_loads_with_stock_transformers(tiny_reference_dir):  # noqa: F811
     model = AutoModelForCausalLM.from_pretrained(tiny_reference_dir)
     tok = AutoTokenizer.from_pretrained(tiny_reference_dir)
     ids = tok("It is a truth universally acknowledged", return_tensors="pt")["input_ids"]
-    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
+    assert model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
 
 
 def test_calibration_is_training_text_only(tiny_reference_dir):  # noqa: F811
