@@ -46,6 +46,8 @@ def compress(
     include_path: Optional[str] = typer.Option(None, help="directory of local lm-eval task YAMLs"),
     eval_limit: Optional[int] = typer.Option(None, help="limit examples per lm-eval task"),
     name: Optional[str] = typer.Option(None, help="registered model name"),
+    recovery_steps: Optional[int] = typer.Option(None, help="LoRA recovery steps after pruning, merged back "
+                                                 "(0 = off) [default: 0]"),
     config: Optional[Path] = typer.Option(None, help="YAML/JSON config file (CLI options override it)"),
     out: Optional[Path] = typer.Option(None, help="also copy the final model here"),
     json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
@@ -67,7 +69,8 @@ def compress(
     fields = dict(model=model, ratio=ratio, unit=unit, method=method, iterations=iterations,
                   calibration=default_calibration, wordlist=wordlist, n_samples=n_samples, seed=seed,
                   eval_tasks=tasks, eval_include_path=str(Path(include_path).resolve()) if include_path else None,
-                  eval_limit=eval_limit, registered_model_name=name)
+                  eval_limit=eval_limit, registered_model_name=name,
+                  recovery=None if recovery_steps is None else {"steps": recovery_steps})
     try:
         if config is not None:
             cfg = load_config_file(config, **fields)
@@ -135,6 +138,11 @@ def _print_summary(summary, settings) -> None:  # noqa: ANN001 - rich output onl
     console.print(f"MLflow run: {summary.mlflow_run_id}  ({settings.mlflow_tracking_uri})")
     console.print(f"Registered: {summary.registered_model} version {summary.model_version}")
     console.print(f"S3 checkpoint: {summary.s3_uri}")
+    if summary.metrics_before_recovery:
+        ppl = summary.metrics_before_recovery.get("heldout_perplexity")
+        if ppl is not None:
+            console.print(f"LoRA recovery: held-out perplexity {ppl:.4g} before recovery, "
+                          f"{summary.metrics_after.get('heldout_perplexity', float('nan')):.4g} after")
     if summary.iterations_resumed:
         console.print(f"Resumed after {summary.iterations_resumed} completed iteration(s) found in S3")
     if summary.out_dir:

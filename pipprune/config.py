@@ -23,6 +23,21 @@ Method = Literal["pip", "random", "magnitude", "taylor", "block_influence"]
 METHOD_ALIASES = {"block-influence": "block_influence"}
 
 
+class RecoverySettings(BaseModel):
+    """Optional LoRA recovery fine-tuning after the last pruning step; `steps == 0` (default) is off."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int = Field(0, ge=0, le=1_000_000, description="LoRA training steps on the calibration texts")
+    rank: int = Field(8, ge=1, le=1024)
+    lr: float = Field(2e-3, gt=0.0, le=1.0)
+    batch_size: int = Field(8, ge=1, le=4096)
+
+    @property
+    def enabled(self) -> bool:
+        return self.steps > 0
+
+
 class CompressConfig(BaseModel):
     """Everything that determines the output of a compress run."""
 
@@ -45,6 +60,7 @@ class CompressConfig(BaseModel):
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: str | None = None
     eval_limit: int | None = Field(None, ge=1)
+    recovery: RecoverySettings = RecoverySettings()
     registered_model_name: str = "pipprune-model"
     trust_remote_code: bool = False
 
@@ -93,5 +109,11 @@ def load_config_file(path: Path, **overrides: object) -> CompressConfig:
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
-    data.update({k: v for k, v in overrides.items() if v is not None})
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}  # e.g. --recovery-steps keeps the file's recovery.rank
+        else:
+            data[key] = value
     return CompressConfig(**data)

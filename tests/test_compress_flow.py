@@ -292,3 +292,60 @@ def test_s3_failing_first_attempts_is_survived_by_retries(stack_env, tiny_refere
     assert proxy.failed == 6 and proxy.forwarded > 0
     listing = s3_of(stack_env).list_objects_v2(Bucket="flaky", Prefix=f"runs/{summary.run_key}/iter-1/")
     assert any(o["Key"].endswith("manifest.json") for o in listing["Contents"])
+
+
+def test_recovery_stage_is_checkpointed_tracked_traced_and_resumed(stack_env, tiny_reference_dir,  # noqa: F811
+                                                                    monkeypatch, tmp_path):
+    """LoRA recovery (off by default) runs after the last pruning step as checkpoint stage N+1."""
+    _apply(stack_env, monkeypatch)
+    from mlflow import MlflowClient
+
+    from pipprune.config import RecoverySettings
+    from pipprune.infra.lineage import trace
+    from pipprune.infra.s3store import CheckpointStore
+    from pipprune.infra.settings import Settings
+    from pipprune.pip_core import io as core_io
+
+    assert not _config(tiny_reference_dir).recovery.enabled  # off unless asked for
+    config = _config(tiny_reference_dir, iterations=1, ratio=0.3, eval_limit=10, registered_model_name="tiny-lora",
+                     recovery=RecoverySettings(steps=25, batch_size=4))
+    summary = _run_flow(stack_env, config)
+    assert summary.metrics_before_recovery and "heldout_perplexity" in summary.metrics_before_recovery
+    assert summary.s3_uri.endswith("/iter-2/model/")
+
+    store = CheckpointStore.from_settings(Settings(), summary.run_key)
+    stages = {ref.iteration: ref for ref in store.complete_checkpoints()}
+    assert sorted(stages) == [1, 2]
+    assert stages[2].metadata["stage"] == "recovery"
+    assert "score_table.csv" not in stages[2].files
+    assert stages[2].metadata["pruned_model_fingerprint"] == stages[1].metadata["model_fingerprint"]
+    assert stages[2].metadata["model_fingerprint"] != stages[1].metadata["model_fingerprint"]
+
+    client = MlflowClient(stack_env["MLFLOW_TRACKING_URI"])
+    losses = [m.value for m in sorted(client.get_metric_history(summary.mlflow_run_id, "recovery_train_loss"),
+                                      key=lambda m: m.step)]
+    assert len(losses) == 25 and sum(losses[-5:]) < sum(losses[:5])
+    ppl = {m.step: m.value for m in client.get_metric_history(summary.mlflow_run_id, "heldout_perplexity")}
+    assert set(ppl) == {1, 2} and ppl[2] == summary.metrics_after["heldout_perplexity"]
+    assert ppl[1] == summary.metrics_before_recovery["heldout_perplexity"]
+
+    lineage = trace(client, lambda key: CheckpointStore.from_settings(Settings(), key), "tiny-lora")
+    assert lineage.ok, lineage.problems
+    assert [(it.iteration, it.stage) for it in lineage.iterations] == [(1, "prune"), (2, "recovery")]
+
+    # the merged model is a plain HF directory with the pruned parameter count
+    local = store.download_uri(summary.s3_uri, tmp_path / "recovered")
+    net, _ = core_io.load(local)
+    assert core_io.param_count(net) == summary.params_after
+    assert not any("lora" in name for name, _ in net.named_parameters())
+
+    # a fresh machine (new state dir, empty task cache) resumes both stages from S3: no training again
+    monkeypatch.setenv("PIPPRUNE_HOME", str(tmp_path / "fresh-home"))
+    again = _run_flow({**stack_env, "PIPPRUNE_HOME": str(tmp_path / "fresh-home")}, config)
+    assert again.iterations_resumed == 2 and again.s3_uri == summary.s3_uri
+    flow_run_id = client.get_run(again.mlflow_run_id).data.tags["pipprune.prefect_flow_run_id"]
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: stack_env["PREFECT_API_URL"]}):
+        names = [n for n, _ in _task_run_names(flow_run_id)]
+    assert names and not [n for n in names if n.startswith(("recover-lora", "prune-step"))], names

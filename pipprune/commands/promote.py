@@ -56,7 +56,8 @@ def _print_lineage(result) -> None:  # noqa: ANN001 - rich output only
         steps.add_column(column)
     for it in result.iterations:
         ppl = it.metrics.get("heldout_perplexity")
-        steps.add_row(str(it.iteration), f"{it.num_params:,}" if it.num_params else "?",
+        label = str(it.iteration) if it.stage == "prune" else f"{it.iteration} ({it.stage})"
+        steps.add_row(label, f"{it.num_params:,}" if it.num_params else "?",
                       f"{it.achieved_ratio:.2%}" if it.achieved_ratio is not None else "?", str(it.units_removed),
                       f"{ppl:.3f}" if ppl is not None else "", str(it.files_verified), it.s3_uri)
     console.print(steps)

@@ -1,7 +1,8 @@
 """The compress flow: wiring only. Each box of the DAG is a task in pipprune.tasks.
 
 prepare_calibration -> per iteration [collect_dual_view_gradients -> score -> prune_step ->
-checkpoint (S3) -> quick_eval -> log] -> evaluate (lm-eval) -> register_model.
+checkpoint (S3) -> quick_eval -> log] -> optional recover (LoRA, checkpointed as stage N+1) ->
+evaluate (lm-eval) -> register_model.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from pipprune.tasks.calibration import prepare_calibration
 from pipprune.tasks.evaluation import evaluate, quick_eval, tasks_digest
 from pipprune.tasks.models import resolve_source
 from pipprune.tasks.pruning import checkpoint, prune_step
-from pipprune.tasks.refs import ModelRef
+from pipprune.tasks.recovery import recover
+from pipprune.tasks.refs import CalibrationRef, ModelRef
 from pipprune.tasks.registry import register_model
 from pipprune.tasks.resume import find_resume_point
 from pipprune.tasks.scoring import collect_dual_view_gradients, score
-from pipprune.tasks.tracking import close_tracking_run, log_final, log_iteration, open_tracking_run
+from pipprune.tasks.tracking import close_tracking_run, log_final, log_iteration, log_recovery, open_tracking_run
 from pipprune.version import code_digest, git_sha
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class CompressSummary(BaseModel):
     metrics_before: dict[str, float]
     metrics_after: dict[str, float]
     iterations_resumed: int
+    metrics_before_recovery: dict[str, float] | None = None
 
 
 def run_key_for(config: CompressConfig, source_fingerprint: str, calibration_hash: str, wordlist_hash: str) -> str:
@@ -111,6 +114,12 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None) -> Compres
             history.append({"iteration": i, "num_params": model.num_params, **metrics})
             log_iteration(run_id, i, metrics, step_plan.table_path, list(step_plan.units), history)
 
+        pre_recovery = None
+        if config.recovery.enabled:
+            pre_recovery = {k: v for k, v in history[-1].items() if k.startswith("heldout_")}
+            model, recovered = _recovery_stage(config, run_key, run_id, lineage, model, calib, done, total)
+            history.append({"iteration": config.iterations + 1, "num_params": model.num_params, **recovered})
+
         content = tasks_digest(config.eval_include_path)
         source_eval = evaluate(source.model, config.eval_tasks, config.eval_include_path, content, config.eval_limit)
         final_eval = evaluate(model, config.eval_tasks, config.eval_include_path, content, config.eval_limit)
@@ -123,13 +132,16 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None) -> Compres
             **lineage, "pipprune.model_fingerprint": model.fingerprint, "pipprune.s3_uri": model.s3_uri,
             "pipprune.manifest_sha256": model.manifest_sha256 or "", "pipprune.mlflow_run_id": run_id,
             "pipprune.iterations": str(config.iterations), "pipprune.method": config.method,
+            "pipprune.final_checkpoint": str(config.iterations + int(config.recovery.enabled)),
+            "pipprune.recovery_steps": str(config.recovery.steps),
             "pipprune.unit": config.unit, "pipprune.ratio": str(config.ratio)})
         summary = CompressSummary(
             run_key=run_key, mlflow_run_id=run_id, registered_model=config.registered_model_name,
             model_version=version, s3_uri=model.s3_uri or "", out_dir=out_dir, params_before=total,
             params_after=model.num_params, achieved_ratio=(total - model.num_params) / total,
             metrics_before={**before, **_flatten_eval("eval", source_eval)},
-            metrics_after={**after, **_flatten_eval("eval", final_eval)}, iterations_resumed=len(done))
+            metrics_after={**after, **_flatten_eval("eval", final_eval)}, iterations_resumed=len(done),
+            metrics_before_recovery=pre_recovery)
         log_final(run_id, final_metrics, summary.model_dump())
         if out_dir:
             export(model, Path(out_dir), summary)
@@ -138,6 +150,25 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None) -> Compres
     except BaseException:
         close_tracking_run(run_id, "FAILED")
         raise
+
+
+def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: dict[str, str], model: ModelRef,
+                    calib: CalibrationRef, done: list[dict], total: int) -> tuple[ModelRef, dict[str, float]]:
+    """LoRA recovery as checkpoint stage N+1 (resumed from S3 when that stage already finished)."""
+    stage = config.iterations + 1
+    if len(done) >= stage and done[stage - 1].get("stage") == "recovery":
+        return ModelRef(**done[stage - 1]["model"]), done[stage - 1]["metrics"]
+    result = recover(model, calib, config.recovery, config.seed, config.max_length)
+    metrics = {**quick_eval(result.model, calib, config.max_length), "num_params": float(result.model.num_params),
+               "achieved_ratio": (total - result.model.num_params) / total,
+               "recovery_first_loss": result.first_loss, "recovery_last_loss": result.last_loss,
+               "recovery_seconds": result.seconds}
+    recovered = checkpoint(run_key, stage, result.model, None, {
+        "iteration": stage, "stage": "recovery", "units_removed": [], "metrics": metrics,
+        "recovery": config.recovery.model_dump(), "pruned_model_fingerprint": model.fingerprint,
+        "model": result.model.model_dump(), "lineage": lineage})
+    log_recovery(run_id, stage, metrics, list(result.losses), config.recovery.model_dump())
+    return recovered, metrics
 
 
 def export(model: ModelRef, out: Path, summary: CompressSummary) -> None:

@@ -24,6 +24,7 @@ class LineageError(ValueError):
 
 class IterationRecord(BaseModel):
     iteration: int
+    stage: str = "prune"  # "prune", or "recovery" for the LoRA stage after the last pruning step
     s3_uri: str
     num_params: int | None
     achieved_ratio: float | None
@@ -89,7 +90,7 @@ def trace(client, store_for_run_key, name: str, version: str | None = None) -> L
 
     store = store_for_run_key(tags["pipprune.run_key"])
     iterations: list[IterationRecord] = []
-    expected = int(tags.get("pipprune.iterations", "0"))
+    expected = int(tags.get("pipprune.final_checkpoint", tags.get("pipprune.iterations", "0")))
     refs = {ref.iteration: ref for ref in store.complete_checkpoints()}
     for i in range(1, expected + 1):
         ref = refs.get(i)
@@ -106,7 +107,7 @@ def trace(client, store_for_run_key, name: str, version: str | None = None) -> L
         if meta.get("lineage", {}).get("pipprune.run_key") not in (None, tags["pipprune.run_key"]):
             problems.append(f"iteration {i}: manifest belongs to run key {meta['lineage']['pipprune.run_key']}")
         iterations.append(IterationRecord(
-            iteration=i, s3_uri=ref.uri, num_params=metrics.get("num_params") and int(metrics["num_params"]),
+            iteration=i, stage=meta.get("stage", "prune"), s3_uri=ref.uri, num_params=metrics.get("num_params") and int(metrics["num_params"]),
             achieved_ratio=metrics.get("achieved_ratio"), units_removed=len(meta.get("units_removed", [])),
             metrics=metrics, files_verified=len(ref.files) - len(mismatches)))
     final = refs.get(expected)

@@ -27,6 +27,7 @@ class RecoveryReport:
     steps: int
     first_loss: float
     last_loss: float
+    losses: tuple[float, ...] = ()
 
 
 def recover_lora(model: nn.Module, tokenizer, texts: Sequence[str], steps: int = 60, rank: int = 8,  # noqa: ANN001
@@ -61,4 +62,4 @@ def recover_lora(model: nn.Module, tokenizer, texts: Sequence[str], steps: int =
         losses.append(float(loss.detach()))
     merged = peft_model.merge_and_unload()
     merged.eval()
-    return merged, RecoveryReport(steps=steps, first_loss=losses[0], last_loss=losses[-1])
+    return merged, RecoveryReport(steps=steps, first_loss=losses[0], last_loss=losses[-1], losses=tuple(losses))

@@ -43,10 +43,11 @@ def prune_step(model: ModelRef, plan: PrunePlan) -> ModelRef:
 @task(name="checkpoint", cache_key_fn=key_from("run_key", "iteration", "model", "metadata"),
       persist_result=True, result_serializer="json", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS,
       retry_condition_fn=retry_transient)
-def checkpoint(run_key: str, iteration: int, model: ModelRef, score_table: str, metadata: dict) -> ModelRef:
+def checkpoint(run_key: str, iteration: int, model: ModelRef, score_table: str | None, metadata: dict) -> ModelRef:
     """Upload model dir + the score table behind the step; the manifest goes last, so it marks completion.
 
-    S3 layout: runs/<run_key>/iter-<i>/{model/..., score_table.csv, manifest.json}.
+    S3 layout: runs/<run_key>/iter-<i>/{model/..., score_table.csv, manifest.json}; a stage
+    that scored nothing (recovery) has no score table.
     """
     from pipprune.infra.s3store import CheckpointStore
 
@@ -56,7 +57,8 @@ def checkpoint(run_key: str, iteration: int, model: ModelRef, score_table: str, 
     stage = Path(model.local_dir).with_name(Path(model.local_dir).name + f".ckpt-{iteration}")
     shutil.rmtree(stage, ignore_errors=True)
     shutil.copytree(local, stage / CHECKPOINT_MODEL_SUBDIR)
-    shutil.copy2(score_table, stage / "score_table.csv")
+    if score_table is not None:
+        shutil.copy2(score_table, stage / "score_table.csv")
     try:
         ref = store.upload_checkpoint(iteration, stage, metadata={**metadata, "model_fingerprint": model.fingerprint})
     finally:

@@ -82,6 +82,27 @@ def log_iteration(run_id: str, iteration: int, metrics: dict[str, float], score_
             client.log_artifact(run_id, str(curve), "plots")
 
 
+@task(name="log-recovery", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
+def log_recovery(run_id: str, stage: int, metrics: dict[str, float], losses: list[float],
+                 settings: dict[str, Any]) -> None:
+    """The recovery step like a pruning step: metrics at step=stage, plus its training-loss curve."""
+    import json
+    import time
+
+    from mlflow.entities import Metric
+
+    client = mlflow_client()
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, stage) for k, v in metrics.items()])
+    for start in range(0, len(losses), 1000):  # MLflow caps a batch at 1000 metrics
+        client.log_batch(run_id, metrics=[Metric("recovery_train_loss", float(v), now, start + j)
+                                          for j, v in enumerate(losses[start:start + 1000])])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "recovery.json"
+        path.write_text(json.dumps({"settings": settings, "metrics": metrics, "losses": losses}, indent=1))
+        client.log_artifact(run_id, str(path), f"iterations/iter-{stage}")
+
+
 @task(name="log-final", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
 def log_final(run_id: str, metrics: dict[str, float], summary: dict[str, Any]) -> None:
     import json

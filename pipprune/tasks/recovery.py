@@ -1,0 +1,64 @@
+"""recover: optional LoRA fine-tuning of the pruned model on the calibration texts, merged back.
+
+The result is an ordinary HF directory (same loader as every pruned step), so checkpointing,
+evaluation and registration treat it like any other model.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+
+from prefect import task
+from pydantic import BaseModel, ConfigDict
+
+from pipprune.config import RecoverySettings
+from pipprune.infra.settings import Settings
+from pipprune.pip_core import io as core_io
+from pipprune.pip_core.recovery import recover_lora
+from pipprune.tasks._common import content_key, key_from
+from pipprune.tasks.calibration import read_pairs
+from pipprune.tasks.models import ensure_local
+from pipprune.tasks.refs import CalibrationRef, ModelRef
+
+log = logging.getLogger(__name__)
+
+
+class RecoveryResult(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelRef
+    first_loss: float
+    last_loss: float
+    losses: tuple[float, ...]
+    seconds: float
+
+
+@task(name="recover-lora", cache_key_fn=key_from("model", "calib", "settings", "seed", "max_length"),
+      persist_result=True, result_serializer="json")
+def recover(model: ModelRef, calib: CalibrationRef, settings: RecoverySettings, seed: int,
+            max_length: int) -> RecoveryResult:
+    """Fine-tune LoRA adapters on the original (unperturbed) calibration texts and merge them."""
+    texts = [original for original, _ in read_pairs(calib)]
+    net, tokenizer = core_io.load(ensure_local(model))
+    start = time.perf_counter()
+    merged, report = recover_lora(net, tokenizer, texts, steps=settings.steps, rank=settings.rank, lr=settings.lr,
+                                  batch_size=settings.batch_size, max_length=max_length, seed=seed)
+    seconds = time.perf_counter() - start
+    num_params = core_io.param_count(merged)
+    if num_params != model.num_params:
+        raise RuntimeError(f"LoRA merge changed the parameter count {model.num_params} -> {num_params}")
+    name = content_key(model.fingerprint, settings.model_dump(), seed, max_length)[:16]
+    out = Settings().work_dir / "models" / f"{model.fingerprint[:16]}-lora-{name}"
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    core_io.save_pruned(merged, tokenizer, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log.info("LoRA recovery: %d steps, loss %.3f -> %.3f in %.0f s", report.steps, report.first_loss,
+             report.last_loss, seconds)
+    return RecoveryResult(model=ModelRef(local_dir=str(out), fingerprint=core_io.model_fingerprint(out),
+                                         num_params=num_params),
+                          first_loss=report.first_loss, last_loss=report.last_loss, losses=report.losses,
+                          seconds=seconds)
