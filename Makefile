@@ -7,7 +7,7 @@ REF_TINY := $(STATE)/reference/tiny
 DEMO_UNIT ?= block
 DEMO_METHOD ?= pip
 
-.PHONY: install data demo test stack-down clean-state bench
+.PHONY: install data demo test stack-down clean-state bench peer-venv bench-peer
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -45,3 +45,21 @@ bench: install data
 	$(BIN)/python -m benchmarks.inference
 	$(BIN)/python -m benchmarks.recovery
 	$(BIN)/python -m benchmarks.report
+
+# External peer (Torch-Pruning) in its own venv: it hangs on GQA Llama with transformers >= 4.56
+# (VainF/Torch-Pruning#527), pipprune needs >= 4.56.
+PEER := .venv-peer
+$(PEER)/.installed:
+	$(PY) -m venv $(PEER)
+	$(PEER)/bin/pip install -q "torch==2.13.0"
+	$(PEER)/bin/pip install -q "transformers==4.55.4" "torch-pruning==1.6.1" safetensors
+	touch $@
+
+peer-venv: $(PEER)/.installed
+
+bench-peer: install peer-venv
+	for r in 0.1 0.2 0.3; do \
+		$(PEER)/bin/python benchmarks/peer_torch_pruning.py --model $(STATE)/reference/small --ratio $$r \
+			--out $(STATE)/peer/tp-$$r || exit 1; done
+	$(BIN)/python -m benchmarks.peer_eval --model $(STATE)/reference/small $(STATE)/peer/tp-0.1 \
+		$(STATE)/peer/tp-0.2 $(STATE)/peer/tp-0.3
