@@ -46,13 +46,13 @@ bench: install data
 	$(BIN)/python -m benchmarks.recovery
 	$(BIN)/python -m benchmarks.report
 
-# External peer (Torch-Pruning) in its own venv: it hangs on GQA Llama with transformers >= 4.56
-# (VainF/Torch-Pruning#527), pipprune needs >= 4.56.
+# External peer (Torch-Pruning) in its own venv: torch-pruning 1.6.x hangs on GQA Llama
+# (VainF/Torch-Pruning#527) and its LLM example targets transformers 4.x; pipprune needs >= 4.56.
 PEER := .venv-peer
 $(PEER)/.installed:
 	$(PY) -m venv $(PEER)
 	$(PEER)/bin/pip install -q "torch==2.13.0"
-	$(PEER)/bin/pip install -q "transformers==4.55.4" "torch-pruning==1.6.1" safetensors
+	$(PEER)/bin/pip install -q "transformers==4.55.4" "torch-pruning==1.5.2" safetensors
 	touch $@
 
 peer-venv: $(PEER)/.installed

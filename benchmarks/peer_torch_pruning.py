@@ -1,8 +1,9 @@
 """External peer: Torch-Pruning's LLM width pruning, run on the same model to the same parameter reduction.
 
-Runs in its own environment (`make peer-venv`: torch 2.13, transformers 4.55.4, torch-pruning),
-because Torch-Pruning's dependency tracing hangs on Llama with GQA under transformers >= 4.56
-(VainF/Torch-Pruning#527) while pipprune needs >= 4.56. It imports neither pipprune nor anything
+Runs in its own environment (`make peer-venv`: torch 2.13, transformers 4.55.4, torch-pruning
+1.5.2): torch-pruning 1.6.x loops forever building the dependency graph of a GQA Llama
+(VainF/Torch-Pruning#527, seen here in get_all_groups), 1.5.2 does not; its LLM example targets
+transformers 4.x while pipprune needs >= 4.56. It imports neither pipprune nor anything
 beyond torch, transformers and torch_pruning; the pruned model is saved as an ordinary HF
 directory and scored by `benchmarks.peer_eval` in the main environment with the same lm-eval
 tasks as `benchmarks.quality`.
@@ -11,7 +12,9 @@ Method, as in Torch-Pruning's examples/LLMs/prune_llm.py: uniform (local) prunin
 heads, MLP channels and the hidden size with GroupMagnitudeImportance (L2, mean over the group),
 lm_head ignored, head dims kept (RoPE). Torch-Pruning takes a width ratio, not a parameter
 ratio, so the width ratio is found by bisection until the removed-parameter fraction is
-closest to the target.
+closest to the target. On the small reference (6 query heads over 2 KV heads) TP's head grouping
+fails (it views the 64 KV channels as 6 groups), so heads stay and hidden + MLP are pruned; the
+report records that.
 
 Usage: .venv-peer/bin/python benchmarks/peer_torch_pruning.py --model DIR --ratio 0.2 --out DIR
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.metadata
 import json
 import shutil
 import time
@@ -28,8 +32,12 @@ from pathlib import Path
 import torch
 
 
-def prune_width(model, tokenizer, width_ratio: float, prune_hidden: bool):  # noqa: ANN001, ANN201
-    """Prune a deep copy of `model` with Torch-Pruning's LLM recipe; returns the pruned copy."""
+def prune_width(model, tokenizer, width_ratio: float, prune_hidden: bool, prune_heads: bool = True):  # noqa: ANN001, ANN201
+    """Prune a deep copy of `model` with Torch-Pruning's LLM recipe; returns the pruned copy.
+
+    `prune_heads=False` leaves attention untouched (q/k/v never roots): the fallback when TP's
+    GQA head grouping fails on the model's head counts.
+    """
     import torch_pruning as tp
 
     model = copy.deepcopy(model)
@@ -42,14 +50,18 @@ def prune_width(model, tokenizer, width_ratio: float, prune_hidden: bool):  # no
             num_heads[module.k_proj] = config.num_key_value_heads
             num_heads[module.v_proj] = config.num_key_value_heads
     ignored = [model.lm_head]
+    if not prune_heads:
+        num_heads = {}
+        ignored += [m for n, m in model.named_modules() if n.endswith(("q_proj", "k_proj", "v_proj"))]
     if not prune_hidden:  # keep the residual width: only heads and MLP channels go
         ignored += [model.model.embed_tokens, model.model.norm]
         ignored += [m for n, m in model.named_modules() if n.endswith(("o_proj", "down_proj"))]
     pruner = tp.pruner.BasePruner(
         model, example_inputs=example, importance=tp.importance.GroupMagnitudeImportance(p=2, group_reduction="mean"),
         global_pruning=False, output_transform=lambda out: out.logits, pruning_ratio=width_ratio,
-        ignored_layers=ignored, num_heads=num_heads, prune_num_heads=True, prune_head_dims=False,
-        head_pruning_ratio=width_ratio, round_to=None)
+        ignored_layers=ignored, num_heads=num_heads, prune_num_heads=prune_heads, prune_head_dims=False,
+        head_pruning_ratio=width_ratio,
+        round_to=config.num_attention_heads)  # HF requires hidden_size % num_heads == 0 (TP's example: 4)
     for group in pruner.step(interactive=True):
         group.prune()
     _sync_config(model)
@@ -60,6 +72,11 @@ def _sync_config(model) -> None:  # noqa: ANN001
     """Write the pruned shapes back into the config and the attention modules (as the TP example does)."""
     config = model.config
     config.hidden_size = model.lm_head.in_features
+    if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        # TP prunes the two modules separately, leaving two (equal) tensors: tie them again
+        if not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight):
+            raise RuntimeError("Torch-Pruning pruned the tied embedding and LM head differently")
+        model.lm_head.weight = model.model.embed_tokens.weight
     for name, module in model.named_modules():
         if name.endswith("self_attn"):
             head_dim = module.head_dim
@@ -91,7 +108,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--keep-hidden", action="store_true", help="prune only heads and MLP channels")
     args = parser.parse_args()
-    import torch_pruning as tp
     import transformers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -101,9 +117,15 @@ def main() -> None:
     total = param_count(model)
     started = time.perf_counter()
     lo, hi, best = 0.0, 0.9, None
+    prune_heads, head_error = True, None
+    try:
+        prune_width(model, tokenizer, 0.3, prune_hidden=not args.keep_hidden)
+    except RuntimeError as exc:  # e.g. 6 query heads over 2 KV heads: TP views 64 k channels as 6 groups
+        prune_heads, head_error = False, f"{type(exc).__name__}: {exc}"
+        print(f"Torch-Pruning cannot prune GQA heads of this model ({head_error}); pruning hidden + MLP only")
     for _ in range(10):  # bisection on the width ratio
         mid = (lo + hi) / 2
-        pruned = prune_width(model, tokenizer, mid, prune_hidden=not args.keep_hidden)
+        pruned = prune_width(model, tokenizer, mid, prune_hidden=not args.keep_hidden, prune_heads=prune_heads)
         removed = 1 - param_count(pruned) / total
         if best is None or abs(removed - args.ratio) < abs(best[1] - args.ratio):
             best = (mid, removed, pruned)
@@ -116,9 +138,10 @@ def main() -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (args.model / name).is_file():  # the source's tokenizer files, byte for byte
             shutil.copy2(args.model / name, args.out / name)
-    report = {"peer": "torch-pruning", "torch_pruning": tp.__version__, "transformers": transformers.__version__,
+    report = {"peer": "torch-pruning", "torch_pruning": importlib.metadata.version("torch-pruning"), "transformers": transformers.__version__,
               "torch": torch.__version__, "target_ratio": args.ratio, "achieved_ratio": removed,
-              "width_ratio": width_ratio, "prune_hidden": not args.keep_hidden, "params_before": total,
+              "width_ratio": width_ratio, "prune_hidden": not args.keep_hidden, "prune_heads": prune_heads,
+              "head_pruning_error": head_error, "params_before": total,
               "params_after": param_count(pruned), "search_seconds": seconds, "sanity_loss": loss,
               "config": {k: getattr(pruned.config, k) for k in ("hidden_size", "num_attention_heads",
                                                                   "num_key_value_heads", "intermediate_size")}}
