@@ -49,6 +49,22 @@ def test_config_file_overrides(tmp_path):
     assert load_config_file(path, ratio=0.1, unit=None).ratio == 0.1
 
 
+def test_recovery_is_off_by_default_keyed_and_merged_from_file_and_cli(tmp_path):
+    from pipprune.flows.compress import run_key_for
+
+    plain = CompressConfig(**BASE)
+    assert not plain.recovery.enabled
+    path = tmp_path / "job.yaml"
+    path.write_text("model: m\ncalibration: c\nrecovery: {steps: 40, rank: 4}\n")
+    merged = load_config_file(path, recovery={"steps": 80})  # --recovery-steps keeps the file's rank
+    assert (merged.recovery.steps, merged.recovery.rank) == (80, 4)
+    assert run_key_for(plain, "f", "c", "w") != run_key_for(CompressConfig(**BASE, recovery={"steps": 80}), "f", "c", "w")
+    with pytest.raises(ValidationError, match="recovery.steps"):
+        CompressConfig(**BASE, recovery={"steps": -1})
+    with pytest.raises(ValidationError, match="recovery.ranq"):
+        CompressConfig(**BASE, recovery={"ranq": 4})
+
+
 METRICS = {"source.cloze.acc": 0.5, "final.cloze.acc": 0.45, "source.heldout_perplexity": 20.0,
            "final.heldout_perplexity": 26.0, "final.achieved_ratio": 0.2}
 
