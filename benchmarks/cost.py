@@ -16,7 +16,8 @@ import time
 
 from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
 
-SIZES = {"h128-L4": (128, 4, 4, 2, 344), "h256-L6": (256, 6, 8, 4, 688), "h512-L8": (512, 8, 8, 4, 1376)}
+SIZES = {"h128-L4": (128, 4, 4, 2, 344), "h256-L6": (256, 6, 8, 4, 688), "h512-L8": (512, 8, 8, 4, 1376),
+         "h1024-L8": (1024, 8, 16, 4, 2752)}
 
 
 def _rss_mb() -> float:

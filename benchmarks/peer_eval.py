@@ -60,7 +60,8 @@ def main() -> None:
     for row in rows:
         ours = _ours(row["target_ratio"]).get("pip")
         mine = f"{ours['cloze_retained']:.3f}, {ours['ppl_ratio']:.2f} ({ours['seeds']} seeds)" if ours else "not run"
-        scope = "heads+MLP+hidden" if row["prune_hidden"] else "heads+MLP"
+        scope = "+".join((["heads"] if row.get("prune_heads", True) else []) + ["MLP"]
+                         + (["hidden"] if row["prune_hidden"] else []))
         table.append(f"| {row['target_ratio']:.1f} | torch-pruning {row['torch_pruning']} ({scope}) | "
                      f"{row['width_ratio']:.3f} | {row['achieved_ratio']:.3f} | {row['cloze_retained']:.3f} | "
                      f"{row['ppl_ratio']:.2f} | {mine} |")
