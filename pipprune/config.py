@@ -32,6 +32,8 @@ class RecoverySettings(BaseModel):
     rank: int = Field(8, ge=1, le=1024)
     lr: float = Field(2e-3, gt=0.0, le=1.0)
     batch_size: int = Field(8, ge=1, le=4096)
+    max_texts: int = Field(2048, ge=1, le=10_000_000,
+                           description="calibration texts to train on (held-out texts never included)")
 
     @property
     def enabled(self) -> bool:

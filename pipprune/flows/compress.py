@@ -117,7 +117,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None) -> Compres
         pre_recovery = None
         if config.recovery.enabled:
             pre_recovery = {k: v for k, v in history[-1].items() if k.startswith("heldout_")}
-            model, recovered = _recovery_stage(config, run_key, run_id, lineage, model, calib, done, total)
+            model, recovered = _recovery_stage(config, run_key, run_id, lineage, model, calib, calibration.digest(),
+                                               done, total)
             history.append({"iteration": config.iterations + 1, "num_params": model.num_params, **recovered})
 
         content = tasks_digest(config.eval_include_path)
@@ -153,15 +154,16 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None) -> Compres
 
 
 def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: dict[str, str], model: ModelRef,
-                    calib: CalibrationRef, done: list[dict], total: int) -> tuple[ModelRef, dict[str, float]]:
+                    calib: CalibrationRef, source_digest: str, done: list[dict],
+                    total: int) -> tuple[ModelRef, dict[str, float]]:
     """LoRA recovery as checkpoint stage N+1 (resumed from S3 when that stage already finished)."""
     stage = config.iterations + 1
     if len(done) >= stage and done[stage - 1].get("stage") == "recovery":
         return ModelRef(**done[stage - 1]["model"]), done[stage - 1]["metrics"]
-    result = recover(model, calib, config.recovery, config.seed, config.max_length)
+    result = recover(model, calib, config.calibration, source_digest, config.recovery, config.seed, config.max_length)
     metrics = {**quick_eval(result.model, calib, config.max_length), "num_params": float(result.model.num_params),
                "achieved_ratio": (total - result.model.num_params) / total,
-               "recovery_first_loss": result.first_loss, "recovery_last_loss": result.last_loss,
+               "recovery_texts": float(result.n_texts), "recovery_first_loss": result.first_loss, "recovery_last_loss": result.last_loss,
                "recovery_seconds": result.seconds}
     recovered = checkpoint(run_key, stage, result.model, None, {
         "iteration": stage, "stage": "recovery", "units_removed": [], "metrics": metrics,

@@ -18,7 +18,8 @@ from pipprune.infra.settings import Settings
 from pipprune.pip_core import io as core_io
 from pipprune.pip_core.recovery import recover_lora
 from pipprune.tasks._common import content_key, key_from
-from pipprune.tasks.calibration import read_pairs
+from pipprune.infra.calibration import CalibrationSource, load_calibration
+from pipprune.tasks.calibration import read_heldout
 from pipprune.tasks.models import ensure_local
 from pipprune.tasks.refs import CalibrationRef, ModelRef
 
@@ -29,18 +30,27 @@ class RecoveryResult(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: ModelRef
+    n_texts: int
     first_loss: float
     last_loss: float
     losses: tuple[float, ...]
     seconds: float
 
 
-@task(name="recover-lora", cache_key_fn=key_from("model", "calib", "settings", "seed", "max_length"),
+@task(name="recover-lora", cache_key_fn=key_from("model", "calib", "source_digest", "settings", "seed", "max_length"),
       persist_result=True, result_serializer="json")
-def recover(model: ModelRef, calib: CalibrationRef, settings: RecoverySettings, seed: int,
-            max_length: int) -> RecoveryResult:
-    """Fine-tune LoRA adapters on the original (unperturbed) calibration texts and merge them."""
-    texts = [original for original, _ in read_pairs(calib)]
+def recover(model: ModelRef, calib: CalibrationRef, calibration: str, source_digest: str, settings: RecoverySettings,
+            seed: int, max_length: int) -> RecoveryResult:
+    """Fine-tune LoRA adapters on calibration texts (never the held-out ones) and merge them.
+
+    It draws up to `settings.max_texts` texts from the whole calibration source, not only the
+    few scoring pairs: a handful of texts seen for many epochs overfits and raises held-out
+    perplexity instead of recovering it.
+    """
+    held = set(read_heldout(calib))
+    data = load_calibration(CalibrationSource(calibration).path, n_samples=settings.max_texts + len(held), seed=seed)
+    texts = [t for t in data["text"] if t not in held][:settings.max_texts]
+    log.info("LoRA recovery on %d calibration texts (%d held out)", len(texts), len(held))
     net, tokenizer = core_io.load(ensure_local(model))
     start = time.perf_counter()
     merged, report = recover_lora(net, tokenizer, texts, steps=settings.steps, rank=settings.rank, lr=settings.lr,
@@ -60,5 +70,5 @@ def recover(model: ModelRef, calib: CalibrationRef, settings: RecoverySettings, 
              report.last_loss, seconds)
     return RecoveryResult(model=ModelRef(local_dir=str(out), fingerprint=core_io.model_fingerprint(out),
                                          num_params=num_params),
-                          first_loss=report.first_loss, last_loss=report.last_loss, losses=report.losses,
+                          n_texts=len(texts), first_loss=report.first_loss, last_loss=report.last_loss, losses=report.losses,
                           seconds=seconds)
