@@ -15,15 +15,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.common import DEFAULT_MODEL, RESULTS, write
-
-CLOZE, PPL = "pipprune_wordnet_cloze", "pipprune_persuasion"
-
-
-def score(model_dir: Path, tasks_dir: Path, limit: int) -> dict[str, float]:
-    from pipprune.infra.lmeval import run_lmeval
-
-    results = run_lmeval(model_dir, [CLOZE, PPL], include_path=tasks_dir, limit=limit)
-    return {"cloze_acc": results[CLOZE]["acc"], "word_perplexity": results[PPL]["word_perplexity"]}
+from benchmarks.quality import score_dir
 
 
 def _ours(ratio: float) -> dict[str, dict[str, float]]:
@@ -45,11 +37,11 @@ def main() -> None:
     parser.add_argument("pruned", type=Path, nargs="+")
     args = parser.parse_args()
     tasks = args.model / "tasks"
-    dense = score(args.model, tasks, args.limit)
+    dense = score_dir(args.model, tasks, args.limit)
     rows = []
     for pruned in args.pruned:
         report = json.loads((pruned / "peer_report.json").read_text())
-        metrics = score(pruned, tasks, args.limit)
+        metrics = score_dir(pruned, tasks, args.limit)
         rows.append({**report, **metrics, "cloze_retained": metrics["cloze_acc"] / dense["cloze_acc"],
                      "ppl_ratio": metrics["word_perplexity"] / dense["word_perplexity"]})
         print(rows[-1], flush=True)

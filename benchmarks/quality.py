@@ -21,15 +21,21 @@ METHODS = {"block": ["pip", "random", "magnitude", "taylor", "block_influence"],
 CLOZE, PPL = "pipprune_wordnet_cloze", "pipprune_persuasion"
 
 
-def evaluate(model, tokenizer, model_dir: Path, limit: int, scratch: Path) -> dict[str, float]:  # noqa: ANN001
+def score_dir(model_dir: Path, tasks_dir: Path, limit: int) -> dict[str, float]:
+    """Cloze accuracy and Persuasion word perplexity of a saved model (also used for external peers)."""
     from pipprune.infra.lmeval import run_lmeval
+
+    results = run_lmeval(model_dir, [CLOZE, PPL], include_path=tasks_dir, limit=limit)
+    return {"cloze_acc": results[CLOZE]["acc"], "word_perplexity": results[PPL]["word_perplexity"]}
+
+
+def evaluate(model, tokenizer, model_dir: Path, limit: int, scratch: Path) -> dict[str, float]:  # noqa: ANN001
     from pipprune.pip_core import io
 
     out = scratch / "m"
     shutil.rmtree(out, ignore_errors=True)
     io.save_pruned(model, tokenizer, out)
-    results = run_lmeval(out, [CLOZE, PPL], include_path=model_dir / "tasks", limit=limit)
-    return {"cloze_acc": results[CLOZE]["acc"], "word_perplexity": results[PPL]["word_perplexity"]}
+    return score_dir(out, model_dir / "tasks", limit)
 
 
 def main() -> None:

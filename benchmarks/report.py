@@ -30,29 +30,24 @@ def _quality_rows(quality: dict) -> list[str]:
     rows = []
     runs = [r for r in quality["runs"] if abs(r["ratio"] - 0.2) < 1e-9]
     for unit in sorted({r["unit"] for r in runs}):
-        by_method = {}
+        by_method: dict[str, list[dict]] = {}
         for r in runs:
             if r["unit"] == unit:
-                by_method.setdefault(r["method"], []).append(r["cloze_retained"])
+                by_method.setdefault(r["method"], []).append(r)
         if "pip" not in by_method:
             continue
-        pip = statistics.mean(by_method["pip"])
+        cloze = {m: statistics.mean(r["cloze_retained"] for r in v) for m, v in by_method.items()}
+        ppl = {m: statistics.mean(r["ppl_ratio"] for r in v) for m, v in by_method.items()}
+        pip = cloze["pip"]
         rows.append(f"| PIP {unit} 0.2 keeps >= 90% cloze accuracy | {pip:.3f} ({len(by_method['pip'])} seeds) | "
                     f"{'met' if pip >= 0.9 else 'missed'} |")
-        others = {m: statistics.mean(v) for m, v in by_method.items() if m != "pip"}
-        best_name, best = max(others.items(), key=lambda kv: kv[1])
-        verdict = "met" if pip > best else "missed"
+        best_name, best = max(((m, v) for m, v in cloze.items() if m != "pip"), key=lambda kv: kv[1])
         rows.append(f"| PIP {unit} 0.2 beats every baseline's retained cloze accuracy | PIP {pip:.3f} vs best "
-                    f"baseline {best_name} {best:.3f} | {verdict} |")
-        ppl = {r["method"]: [] for r in runs if r["unit"] == unit}
-        for r in runs:
-            if r["unit"] == unit:
-                ppl[r["method"]].append(r["ppl_ratio"])
-        ppl_mean = {m: statistics.mean(v) for m, v in ppl.items()}
-        best_ppl = min((v, m) for m, v in ppl_mean.items() if m != "pip")
+                    f"baseline {best_name} {best:.3f} | {'met' if pip > best else 'missed'} |")
+        best_ppl, best_ppl_name = min((v, m) for m, v in ppl.items() if m != "pip")
         rows.append(f"| (secondary) PIP {unit} 0.2 word perplexity / dense vs best baseline | PIP "
-                    f"{ppl_mean['pip']:.3f} vs {best_ppl[1]} {best_ppl[0]:.3f} | "
-                    f"{'PIP best or tied' if ppl_mean['pip'] <= best_ppl[0] + 1e-9 else 'PIP not best'} |")
+                    f"{ppl['pip']:.3f} vs {best_ppl_name} {best_ppl:.3f} | "
+                    f"{'PIP best or tied' if ppl['pip'] <= best_ppl + 1e-9 else 'PIP not best'} |")
     dense, limit = quality["dense"]["cloze_acc"], quality["args"]["limit"]
     se = (dense * (1 - dense) / limit) ** 0.5 / dense
     rows.append(f"| (context) one standard error of a retained cloze accuracy, one seed | +/- {se:.3f} | |")

@@ -163,8 +163,8 @@ def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: 
     result = recover(model, calib, config.calibration, source_digest, config.recovery, config.seed, config.max_length)
     metrics = {**quick_eval(result.model, calib, config.max_length), "num_params": float(result.model.num_params),
                "achieved_ratio": (total - result.model.num_params) / total,
-               "recovery_texts": float(result.n_texts), "recovery_first_loss": result.first_loss, "recovery_last_loss": result.last_loss,
-               "recovery_seconds": result.seconds}
+               "recovery_texts": float(result.n_texts), "recovery_first_loss": result.first_loss,
+               "recovery_last_loss": result.last_loss, "recovery_seconds": result.seconds}
     recovered = checkpoint(run_key, stage, result.model, None, {
         "iteration": stage, "stage": "recovery", "units_removed": [], "metrics": metrics,
         "recovery": config.recovery.model_dump(), "pruned_model_fingerprint": model.fingerprint,

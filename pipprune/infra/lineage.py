@@ -107,7 +107,8 @@ def trace(client, store_for_run_key, name: str, version: str | None = None) -> L
         if meta.get("lineage", {}).get("pipprune.run_key") not in (None, tags["pipprune.run_key"]):
             problems.append(f"iteration {i}: manifest belongs to run key {meta['lineage']['pipprune.run_key']}")
         iterations.append(IterationRecord(
-            iteration=i, stage=meta.get("stage", "prune"), s3_uri=ref.uri, num_params=metrics.get("num_params") and int(metrics["num_params"]),
+            iteration=i, stage=meta.get("stage", "prune"), s3_uri=ref.uri,
+            num_params=metrics.get("num_params") and int(metrics["num_params"]),
             achieved_ratio=metrics.get("achieved_ratio"), units_removed=len(meta.get("units_removed", [])),
             metrics=metrics, files_verified=len(ref.files) - len(mismatches)))
     final = refs.get(expected)

@@ -7,6 +7,7 @@ Hugging Face cache (which honours HF_HUB_OFFLINE), then handled exactly like a l
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 from prefect import task
@@ -48,3 +49,14 @@ def ensure_local(ref: ModelRef, settings: Settings | None = None) -> Path:
     if core_io.model_fingerprint(local) != ref.fingerprint:
         raise RuntimeError(f"model fetched from {ref.s3_uri} does not match fingerprint {ref.fingerprint[:12]}")
     return local
+
+
+def save_model(net, tokenizer, name: str, num_params: int) -> ModelRef:  # noqa: ANN001
+    """Save `net` under the state dir's models/<name> atomically (a .partial dir renamed into place)."""
+    out = Settings().work_dir / "models" / name
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    core_io.save_pruned(net, tokenizer, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return ModelRef(local_dir=str(out), fingerprint=core_io.model_fingerprint(out), num_params=num_params)

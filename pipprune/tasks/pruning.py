@@ -13,7 +13,7 @@ from pipprune.pip_core import io as core_io
 from pipprune.pip_core import prune
 from pipprune.pip_core.units import Unit
 from pipprune.tasks._common import RETRIES, RETRY_DELAYS, key_from, retry_transient
-from pipprune.tasks.models import ensure_local
+from pipprune.tasks.models import ensure_local, save_model
 from pipprune.tasks.refs import ModelRef, PrunePlan
 
 log = logging.getLogger(__name__)
@@ -29,15 +29,9 @@ def prune_step(model: ModelRef, plan: PrunePlan) -> ModelRef:
     after = core_io.param_count(net)
     if before - after != plan.params_selected:
         raise RuntimeError(f"pruning removed {before - after} params, plan said {plan.params_selected}")
-    out = Settings().work_dir / "models" / f"{model.fingerprint[:16]}-{plan.table_sha256[:16]}"
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    core_io.save_pruned(net, tokenizer, tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    fingerprint = core_io.model_fingerprint(out)
-    log.info("pruned %d -> %d params (%s)", before, after, fingerprint[:12])
-    return ModelRef(local_dir=str(out), fingerprint=fingerprint, num_params=after)
+    pruned = save_model(net, tokenizer, f"{model.fingerprint[:16]}-{plan.table_sha256[:16]}", after)
+    log.info("pruned %d -> %d params (%s)", before, after, pruned.fingerprint[:12])
+    return pruned
 
 
 @task(name="checkpoint", cache_key_fn=key_from("run_key", "iteration", "model", "metadata"),

@@ -7,20 +7,18 @@ evaluation and registration treat it like any other model.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from pipprune.config import RecoverySettings
-from pipprune.infra.settings import Settings
+from pipprune.infra.calibration import CalibrationSource, load_calibration
 from pipprune.pip_core import io as core_io
 from pipprune.pip_core.recovery import recover_lora
 from pipprune.tasks._common import content_key, key_from
-from pipprune.infra.calibration import CalibrationSource, load_calibration
 from pipprune.tasks.calibration import read_heldout
-from pipprune.tasks.models import ensure_local
+from pipprune.tasks.models import ensure_local, save_model
 from pipprune.tasks.refs import CalibrationRef, ModelRef
 
 log = logging.getLogger(__name__)
@@ -59,16 +57,10 @@ def recover(model: ModelRef, calib: CalibrationRef, calibration: str, source_dig
     num_params = core_io.param_count(merged)
     if num_params != model.num_params:
         raise RuntimeError(f"LoRA merge changed the parameter count {model.num_params} -> {num_params}")
-    name = content_key(model.fingerprint, settings.model_dump(), seed, max_length)[:16]
-    out = Settings().work_dir / "models" / f"{model.fingerprint[:16]}-lora-{name}"
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    core_io.save_pruned(merged, tokenizer, tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    # named by everything that decides the weights, so two recoveries never share a directory
+    name = content_key(model.fingerprint, calib.data_hash, source_digest, settings.model_dump(), seed, max_length)
+    recovered = save_model(merged, tokenizer, f"{model.fingerprint[:16]}-lora-{name[:16]}", num_params)
     log.info("LoRA recovery: %d steps, loss %.3f -> %.3f in %.0f s", report.steps, report.first_loss,
              report.last_loss, seconds)
-    return RecoveryResult(model=ModelRef(local_dir=str(out), fingerprint=core_io.model_fingerprint(out),
-                                         num_params=num_params),
-                          n_texts=len(texts), first_loss=report.first_loss, last_loss=report.last_loss, losses=report.losses,
-                          seconds=seconds)
+    return RecoveryResult(model=recovered, n_texts=len(texts), first_loss=report.first_loss,
+                          last_loss=report.last_loss, losses=report.losses, seconds=seconds)
