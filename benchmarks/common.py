@@ -22,9 +22,9 @@ def environment() -> dict:
 
 def calibration_pairs(model_dir: Path, n: int, seed: int) -> tuple[list[tuple[str, str]], list[str]]:
     """(original, perturbed) pairs from the reference build's calibration data, as the pipeline makes them."""
-    from pipprune.infra.calibration import load_calibration
-    from pipprune.pip_core.perturb import Perturber
-    from pipprune.pip_core.wordlist import WordList
+    from infra.calibration import load_calibration
+    from pip_core.perturb import Perturber
+    from pip_core.wordlist import WordList
 
     data = load_calibration(model_dir / "calibration" / "calibration.jsonl", n_samples=n, seed=seed)
     words = WordList.from_file(model_dir / "calibration" / "wordlist.txt")

@@ -32,8 +32,8 @@ def measure(size: str, pairs_n: int) -> dict:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from pipprune.pip_core import importance, units
-    from pipprune.pip_core.importance import _batch, _encode, per_sequence_loss
+    from pip_core import importance, units
+    from pip_core.importance import _batch, _encode, per_sequence_loss
 
     hidden, layers, heads, kv, inter = SIZES[size]
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)

@@ -26,8 +26,8 @@ def build_inputs(pairs: int, seed: int = 0):  # noqa: ANN201
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from pipprune.pip_core.perturb import Perturber
-    from pipprune.pip_core.wordlist import WordList
+    from pip_core.perturb import Perturber
+    from pip_core.wordlist import WordList
 
     rng = random.Random(seed)
     texts = [" ".join(rng.choice(WORDS) for _ in range(96)) for _ in range(pairs)]
@@ -49,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipprune.pip_core import importance, prune, units
+    from pip_core import importance, prune, units
 
     cuda = torch.cuda.is_available()
     size = args.size or ("1b" if cuda else "small")

@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.2)
     parser.add_argument("--large-hidden", type=int, default=1024, help="random-init model, 0 to skip")
     args = parser.parse_args()
-    from pipprune.pip_core import io, schedule
+    from pip_core import io, schedule
 
     dense, tok = io.load(args.model)
     pairs, texts = calibration_pairs(args.model, 16, seed=0)

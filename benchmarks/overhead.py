@@ -27,8 +27,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=16)
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="pipprune-overhead-"))
-    from pipprune.infra.settings import Settings, apply_process_env
-    from pipprune.infra.stack import LocalStack
+    from infra.settings import Settings, apply_process_env
+    from infra.stack import LocalStack
 
     settings = Settings(home=home, s3_port=_port(), mlflow_port=_port(), prefect_port=_port())
     stack = LocalStack(settings)
@@ -38,9 +38,9 @@ def main() -> None:
         apply_process_env(Settings())
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        from pipprune.config import CompressConfig
-        from pipprune.flows.compress import compress_flow
-        from pipprune.pip_core import io, schedule
+        from infra.config import CompressConfig
+        from flows.compress import compress_flow
+        from pip_core import io, schedule
 
         config = CompressConfig(model=str(args.model), calibration=str(args.model), ratio=0.2, unit="block",
                                 method="pip", iterations=2, n_samples=args.pairs, heldout_samples=0, seed=0,

@@ -23,14 +23,14 @@ CLOZE, PPL = "pipprune_wordnet_cloze", "pipprune_persuasion"
 
 def score_dir(model_dir: Path, tasks_dir: Path, limit: int) -> dict[str, float]:
     """Cloze accuracy and Persuasion word perplexity of a saved model (also used for external peers)."""
-    from pipprune.infra.lmeval import run_lmeval
+    from infra.lmeval import run_lmeval
 
     results = run_lmeval(model_dir, [CLOZE, PPL], include_path=tasks_dir, limit=limit)
     return {"cloze_acc": results[CLOZE]["acc"], "word_perplexity": results[PPL]["word_perplexity"]}
 
 
 def evaluate(model, tokenizer, model_dir: Path, limit: int, scratch: Path) -> dict[str, float]:  # noqa: ANN001
-    from pipprune.pip_core import io
+    from pip_core import io
 
     out = scratch / "m"
     shutil.rmtree(out, ignore_errors=True)
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=2)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from pipprune.pip_core import io, schedule
+    from pip_core import io, schedule
 
     base, tokenizer = io.load(args.model)
     scratch = Path(tempfile.mkdtemp())

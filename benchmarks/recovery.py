@@ -25,9 +25,9 @@ def main() -> None:
     parser.add_argument("--unit", default="width")
     parser.add_argument("--limit", type=int, default=300)
     args = parser.parse_args()
-    from pipprune.pip_core import io, schedule
-    from pipprune.pip_core.perplexity import perplexity
-    from pipprune.pip_core.recovery import recover_lora
+    from pip_core import io, schedule
+    from pip_core.perplexity import perplexity
+    from pip_core.recovery import recover_lora
 
     scratch = Path(tempfile.mkdtemp())
     model, tok = io.load(args.model)

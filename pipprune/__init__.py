@@ -1,3 +1,5 @@
-"""pipprune: auditable PIP (Perturbation-based Iterative Pruning) pipeline."""
+"""pipprune: auditable PIP (Perturbation-based Iterative Pruning) pipeline. The CLI lives here."""
 
-__version__ = "0.1.0"
+from infra.version import __version__
+
+__all__ = ["__version__"]

@@ -55,7 +55,7 @@ def compress(
     """Prune a model with PIP (or a baseline) end to end: track, checkpoint, evaluate, register."""
     from pydantic import ValidationError
 
-    from pipprune.config import CompressConfig, load_config_file
+    from infra.config import CompressConfig, load_config_file
 
     default_calibration = calibration
     if default_calibration is None and not config:
@@ -78,15 +78,15 @@ def compress(
             cfg = CompressConfig(**{k: v for k, v in fields.items() if v is not None})
     except (ValidationError, ValueError, FileNotFoundError) as exc:
         fail(_validation_message(exc))
-    from pipprune.infra.preflight import PreflightError, check_inputs, check_services
+    from infra.preflight import PreflightError, check_inputs, check_services
 
     try:  # fail fast on inputs, before any server is started or contacted
         check_inputs(cfg)
     except (PreflightError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
-    from pipprune.infra.runtime import prepare_runtime
+    from infra.runtime import prepare_runtime
 
-    from pipprune.infra.stack import StackError
+    from infra.stack import StackError
 
     try:
         settings = prepare_runtime()
@@ -95,9 +95,9 @@ def compress(
         fail("settings: " + _validation_message(exc))
     except (PreflightError, StackError) as exc:
         fail(str(exc), code=1)
-    from pipprune.flows.compress import compress_flow
+    from flows.compress import compress_flow
 
-    from pipprune.infra.runtime import prefect_settings
+    from infra.runtime import prefect_settings
 
     try:
         with prefect_settings():
@@ -157,10 +157,10 @@ def eval_cmd(
     limit: Optional[int] = typer.Option(None, help="limit examples per task"),
 ) -> None:
     """Evaluate a model directory with lm-eval; prints JSON {task: {metric: value}} on stdout."""
-    from pipprune.infra.runtime import prepare_runtime
+    from infra.runtime import prepare_runtime
 
     prepare_runtime(start_stack=False)
-    from pipprune.infra.lmeval import run_lmeval
+    from infra.lmeval import run_lmeval
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
@@ -188,7 +188,7 @@ def plan_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from pipprune.pip_core.memory_plan import available_bytes, plan_memory
+    from pip_core.memory_plan import available_bytes, plan_memory
 
     config = _read_config(model)
     try:
@@ -234,7 +234,7 @@ def schedule(
     """Run compress on a cron schedule: served by this process, or by a team's work pool workers."""
     from pydantic import ValidationError
 
-    from pipprune.config import load_config_file
+    from infra.config import load_config_file
 
     try:
         from prefect.client.schemas.schedules import CronSchedule
@@ -243,12 +243,12 @@ def schedule(
         cfg = load_config_file(config)
     except (ValidationError, ValueError, FileNotFoundError) as exc:
         fail(_validation_message(exc))
-    from pipprune.infra.runtime import prepare_runtime
+    from infra.runtime import prepare_runtime
 
     prepare_runtime()
-    from pipprune.flows.schedule import deploy_to_pool, serve_locally
+    from flows.schedule import deploy_to_pool, serve_locally
 
-    from pipprune.infra.runtime import prefect_settings
+    from infra.runtime import prefect_settings
 
     out_dir = str(out.resolve()) if out else None
     with prefect_settings():

@@ -1,6 +1,14 @@
-"""Test-wide environment: offline Hugging Face, no telemetry."""
+"""Test-wide environment (offline Hugging Face, no telemetry) and the shared fixtures."""
 
+from __future__ import annotations
+
+import hashlib
 import os
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -9,3 +17,43 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+BUILDER = ROOT / "infra" / "reference"
+
+
+def builder_digest() -> str:
+    """Digest of the reference builder's sources: the cached tiny model is rebuilt when they change."""
+    files = sorted(BUILDER.glob("*.py"))
+    assert files, f"no reference builder sources under {BUILDER}"
+    h = hashlib.sha256()
+    for path in files:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.fixture(scope="session")
+def tiny_reference_dir() -> Path:
+    """Path to a built `tiny` reference model (about two minutes the first time), reused across runs."""
+    from infra.reference.build import build_reference
+
+    out = ROOT / ".pipprune" / "test-cache" / f"tiny-{builder_digest()}"
+    if not (out / "manifest.json").is_file():
+        build_reference("tiny", out, ROOT / ".pipprune" / "cache", seed=0, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def local_stack(tmp_path_factory):
+    """Yields (stack, settings): real S3, MLflow and Prefect servers on free 127.0.0.1 ports, fresh state."""
+    from infra.settings import Settings
+    from infra.stack import LocalStack
+
+    home = tmp_path_factory.mktemp("stack-home")
+    settings = Settings(home=home, s3_port=free_port(), mlflow_port=free_port(), prefect_port=free_port(),
+                        s3_endpoint_url=None, mlflow_tracking_uri=None, prefect_api_url=None)
+    stack = LocalStack(settings)
+    try:
+        stack.up(wait=True, timeout=240)
+        yield stack, settings
+    finally:
+        stack.down()

@@ -18,8 +18,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from tests._reference_fixtures import tiny_reference_dir  # noqa: F401 - fixture
-from tests._stack_fixtures import local_stack  # noqa: F401 - fixture
+
+from tests.helpers import FlakyS3Proxy, s3_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
@@ -27,17 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def stack_env(local_stack, tmp_path_factory):  # noqa: F811
+def stack_env(local_stack, tmp_path_factory):
     """Environment of a client of the test stack, with its own state dir."""
     stack, settings = local_stack
     home = tmp_path_factory.mktemp("pipprune-home")
     env = {**stack.client_env(), "PIPPRUNE_HOME": str(home)}
     return env
 
-
-def s3_of(env: dict[str, str]):
-    return boto3.client("s3", endpoint_url=env["PIPPRUNE_S3_ENDPOINT_URL"], region_name="us-east-1",
-                        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
 
 
 def _apply(env: dict[str, str], monkeypatch) -> None:
@@ -46,7 +42,7 @@ def _apply(env: dict[str, str], monkeypatch) -> None:
 
 
 def _config(ref_dir: Path, **overrides):
-    from pipprune.config import CompressConfig
+    from infra.config import CompressConfig
 
     fields = dict(model=str(ref_dir), calibration=str(ref_dir), ratio=0.2, unit="width", method="pip",
                   iterations=2, n_samples=8, heldout_samples=4, max_length=64,
@@ -60,7 +56,7 @@ def _run_flow(env: dict[str, str], config):
     """Run the flow in-process with Prefect and settings pointed at `env`."""
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
-    from pipprune.flows.compress import compress_flow
+    from flows.compress import compress_flow
 
     with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"],
                                      PREFECT_HOME: str(Path(env["PIPPRUNE_HOME"]) / "prefect")}):
@@ -82,7 +78,7 @@ def _task_run_names(flow_run_id: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def first_run(stack_env, tiny_reference_dir):  # noqa: F811
+def first_run(stack_env, tiny_reference_dir):
     mp = pytest.MonkeyPatch()
     _apply(stack_env, mp)
     started = time.perf_counter()
@@ -125,7 +121,7 @@ def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, monkeyp
     assert version.run_id == summary.mlflow_run_id
 
 
-def test_identical_rerun_is_served_without_gradient_collection(first_run, stack_env, tiny_reference_dir,  # noqa: F811
+def test_identical_rerun_is_served_without_gradient_collection(first_run, stack_env, tiny_reference_dir,
                                                                monkeypatch):
     _apply(stack_env, monkeypatch)
     summary, first_elapsed = first_run
@@ -167,7 +163,7 @@ def _manifest_exists(env: dict[str, str], bucket: str, iteration: int) -> bool:
     return any(o["Key"].endswith(f"/iter-{iteration}/manifest.json") for o in listing.get("Contents", []))
 
 
-def test_killed_run_resumes_and_matches_uninterrupted(stack_env, tiny_reference_dir, tmp_path):  # noqa: F811
+def test_killed_run_resumes_and_matches_uninterrupted(stack_env, tiny_reference_dir, tmp_path):
     s3 = s3_of(stack_env)
     for bucket in ("resume-clean", "resume-killed"):
         s3.create_bucket(Bucket=bucket)
@@ -203,81 +199,7 @@ def test_killed_run_resumes_and_matches_uninterrupted(stack_env, tiny_reference_
     assert manifest_files("resume-killed") == manifest_files("resume-clean")
 
 
-class FlakyS3Proxy:
-    """A loopback HTTP proxy in front of the S3 server that answers 503 to its first `failures` requests."""
-
-    def __init__(self, upstream: str, failures: int) -> None:
-        import http.client
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        from urllib.parse import urlparse
-
-        target = urlparse(upstream)
-        proxy = self
-        self.failures, self.failed, self.forwarded = failures, 0, 0
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # noqa: ANN002 - silence
-                pass
-
-            def _raw_body(self) -> bytes | None:
-                """The request body as sent, chunked framing (and trailers) included."""
-                if "chunked" not in (self.headers.get("Transfer-Encoding") or ""):
-                    length = int(self.headers.get("Content-Length") or 0)
-                    return self.rfile.read(length) if length else None
-                raw = b""
-                while True:
-                    line = self.rfile.readline()
-                    raw += line
-                    size = int(line.split(b";")[0].strip(), 16)
-                    if size == 0:
-                        while True:
-                            trailer = self.rfile.readline()
-                            raw += trailer
-                            if trailer in (b"\r\n", b"\n", b""):
-                                return raw
-                    raw += self.rfile.read(size) + self.rfile.readline()
-
-            def _handle(self) -> None:
-                body = self._raw_body()
-                if proxy.failed < proxy.failures:
-                    proxy.failed += 1
-                    self.send_response(503)
-                    payload = b"<Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>"
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                    return
-                proxy.forwarded += 1
-                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-                headers["Host"] = target.netloc
-                conn.request(self.command, self.path, body=body, headers=headers)
-                response = conn.getresponse()
-                data = response.read()
-                self.send_response(response.status)
-                for key, value in response.getheaders():
-                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(key, value)
-                length = response.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
-                self.send_header("Content-Length", length or "0")
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-
-
-def test_s3_failing_first_attempts_is_survived_by_retries(stack_env, tiny_reference_dir, tmp_path,  # noqa: F811
+def test_s3_failing_first_attempts_is_survived_by_retries(stack_env, tiny_reference_dir, tmp_path,
                                                           monkeypatch):
     s3_of(stack_env).create_bucket(Bucket="flaky")
     proxy = FlakyS3Proxy(stack_env["PIPPRUNE_S3_ENDPOINT_URL"], failures=6)
@@ -294,17 +216,17 @@ def test_s3_failing_first_attempts_is_survived_by_retries(stack_env, tiny_refere
     assert any(o["Key"].endswith("manifest.json") for o in listing["Contents"])
 
 
-def test_recovery_stage_is_checkpointed_tracked_traced_and_resumed(stack_env, tiny_reference_dir,  # noqa: F811
+def test_recovery_stage_is_checkpointed_tracked_traced_and_resumed(stack_env, tiny_reference_dir,
                                                                     monkeypatch, tmp_path):
     """LoRA recovery (off by default) runs after the last pruning step as checkpoint stage N+1."""
     _apply(stack_env, monkeypatch)
     from mlflow import MlflowClient
 
-    from pipprune.config import RecoverySettings
-    from pipprune.infra.lineage import trace
-    from pipprune.infra.s3store import CheckpointStore
-    from pipprune.infra.settings import Settings
-    from pipprune.pip_core import io as core_io
+    from infra.config import RecoverySettings
+    from infra.lineage import trace
+    from infra.s3store import CheckpointStore
+    from infra.settings import Settings
+    from pip_core import io as core_io
 
     assert not _config(tiny_reference_dir).recovery.enabled  # off unless asked for
     config = _config(tiny_reference_dir, iterations=1, ratio=0.3, eval_limit=10, registered_model_name="tiny-lora",

@@ -5,8 +5,8 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from pipprune.config import CompressConfig, load_config_file
-from pipprune.infra.promotion import PromotionError, PromotionGates, check_alias, evaluate_gates
+from infra.config import CompressConfig, load_config_file
+from infra.promotion import PromotionError, PromotionGates, check_alias, evaluate_gates
 
 BASE = dict(model="m", calibration="c.jsonl")
 
@@ -50,7 +50,7 @@ def test_config_file_overrides(tmp_path):
 
 
 def test_recovery_is_off_by_default_keyed_and_merged_from_file_and_cli(tmp_path):
-    from pipprune.flows.compress import run_key_for
+    from flows.compress import run_key_for
 
     plain = CompressConfig(**BASE)
     assert not plain.recovery.enabled

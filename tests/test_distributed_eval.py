@@ -6,18 +6,16 @@ import shutil
 
 import pytest
 
-from tests._reference_fixtures import tiny_reference_dir  # noqa: F401 - fixture
-from tests._stack_fixtures import local_stack  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
 
-def test_dask_fan_out_matches_sequential(local_stack, tiny_reference_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_dask_fan_out_matches_sequential(local_stack, tiny_reference_dir, tmp_path, monkeypatch):
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from pipprune.flows.evaluate import dask_runner, evaluate_models_flow
-    from pipprune.pip_core import io, schedule
+    from flows.evaluate import dask_runner, evaluate_models_flow
+    from pip_core import io, schedule
 
     stack, _ = local_stack
     for key, value in stack.client_env().items():

@@ -13,8 +13,8 @@ import boto3
 import pytest
 import yaml
 
-from tests._reference_fixtures import tiny_reference_dir  # noqa: F401 - fixture
-from tests._stack_fixtures import local_stack  # noqa: F401 - fixture
+
+from tests.helpers import cli, s3_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
@@ -23,24 +23,18 @@ NAME = "tiny-lineage"
 
 
 @pytest.fixture(scope="module")
-def env(local_stack, tmp_path_factory):  # noqa: F811
+def env(local_stack, tmp_path_factory):
     stack, _settings = local_stack
     return {**os.environ, **stack.client_env(), "PIPPRUNE_HOME": str(tmp_path_factory.mktemp("home")),
             "PIPPRUNE_S3_BUCKET": "lineage-tests"}
 
 
-def s3_of(env: dict[str, str]):
-    return boto3.client("s3", endpoint_url=env["PIPPRUNE_S3_ENDPOINT_URL"], region_name="us-east-1",
-                        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
 
 
-def cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipprune.cli", *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def registered(env, tiny_reference_dir):  # noqa: F811
+def registered(env, tiny_reference_dir):
     s3_of(env).create_bucket(Bucket="lineage-tests")
     done = cli(env, "compress", "--model", str(tiny_reference_dir), "--ratio", "0.2", "--unit", "block",
                "--iterations", "2", "--n-samples", "6", "--tasks", "pipprune_wordnet_cloze", "--include-path",
@@ -49,7 +43,7 @@ def registered(env, tiny_reference_dir):  # noqa: F811
     return json.loads(done.stdout[done.stdout.index("{"):])
 
 
-def test_lineage_of_fresh_run_verifies(env, registered, tiny_reference_dir):  # noqa: F811
+def test_lineage_of_fresh_run_verifies(env, registered, tiny_reference_dir):
     done = cli(env, "lineage", NAME, "--version", registered["model_version"], "--json")
     assert done.returncode == 0, done.stdout + done.stderr
     lineage = json.loads(done.stdout[done.stdout.index("{"):])
@@ -118,7 +112,7 @@ def test_promotion_fails_then_passes_on_the_right_gates(env, registered, tmp_pat
     assert missing.returncode == 2 and "999" in missing.stderr
 
 
-def test_schedule_deployment_runs_on_a_process_worker(env, tiny_reference_dir, tmp_path):  # noqa: F811
+def test_schedule_deployment_runs_on_a_process_worker(env, tiny_reference_dir, tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({
         "model": str(tiny_reference_dir), "calibration": str(tiny_reference_dir), "ratio": 0.1, "unit": "block",

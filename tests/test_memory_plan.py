@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from pipprune.pip_core.memory_plan import param_count_from_config, plan_memory
+from pip_core.memory_plan import param_count_from_config, plan_memory
 
 
 def _real_params(model_cls, config) -> int:

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from pipprune.infra.calibration import CalibrationDataError, calibration_hash, load_calibration, windows
-from pipprune.pip_core.errors import CalibrationError
-from pipprune.pip_core.perturb import NotPerturbableError, Perturber, match_case, single_edits
-from pipprune.pip_core.wordlist import WordList
+from infra.calibration import CalibrationDataError, calibration_hash, load_calibration, windows
+from pip_core.errors import CalibrationError
+from pip_core.perturb import NotPerturbableError, Perturber, match_case, single_edits
+from pip_core.wordlist import WordList
 
 TEXT = ("Later that evening the host of the party said that the cat had sat on the mat near the door, "
         "and every guest would come back for the bread and the wine before the night was over.")

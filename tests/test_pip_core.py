@@ -11,8 +11,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
-from pipprune.pip_core import importance, io, prune, schedule, units
-from pipprune.pip_core.errors import CalibrationError, PipCoreError, UnsupportedArchitectureError
+from pip_core import importance, io, prune, schedule, units
+from pip_core.errors import CalibrationError, PipCoreError, UnsupportedArchitectureError
 
 SENTENCES = [
     "The host said he would come later to the party at the house.",
@@ -255,8 +255,8 @@ def test_unreachable_target_is_refused(tok):
 
 
 def test_lora_recovery_lowers_loss_and_merges_into_a_plain_directory(tok, trained, tmp_path):
-    from pipprune.pip_core.perplexity import perplexity
-    from pipprune.pip_core.recovery import recover_lora
+    from pip_core.perplexity import perplexity
+    from pip_core.recovery import recover_lora
 
     model = copy.deepcopy(trained)
     schedule.prune_iteratively(model, tok, "magnitude", "width", 0.3, 1, progress=False, protect_first=0,

@@ -4,13 +4,12 @@ import json
 
 import pytest
 
-from pipprune.infra.calibration import load_calibration
-from tests._reference_fixtures import tiny_reference_dir  # noqa: F401 - fixture
+from infra.calibration import load_calibration
 
 pytestmark = pytest.mark.slow
 
 
-def test_manifest_records_sources_licenses_and_quality(tiny_reference_dir):  # noqa: F811
+def test_manifest_records_sources_licenses_and_quality(tiny_reference_dir):
     manifest = json.loads((tiny_reference_dir / "manifest.json").read_text())
     assert manifest["sources"]["kjv"]["license"] == "public domain"
     assert manifest["sources"]["pydocs"]["license"] == "PSF-2.0"
@@ -21,7 +20,7 @@ def test_manifest_records_sources_licenses_and_quality(tiny_reference_dir):  # n
     assert manifest["training"]["final_train_loss"] < 6.0
 
 
-def test_model_loads_with_stock_transformers(tiny_reference_dir):  # noqa: F811
+def test_model_loads_with_stock_transformers(tiny_reference_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_reference_dir)
@@ -30,7 +29,7 @@ def test_model_loads_with_stock_transformers(tiny_reference_dir):  # noqa: F811
     assert model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
 
 
-def test_calibration_is_training_text_only(tiny_reference_dir):  # noqa: F811
+def test_calibration_is_training_text_only(tiny_reference_dir):
     persuasion = (tiny_reference_dir / "tasks" / "persuasion.jsonl").read_text().splitlines()
     heldout = [json.loads(line)["text"][:80] for line in persuasion[:10]]
     data = load_calibration(tiny_reference_dir / "calibration" / "calibration.jsonl", heldout_texts=heldout)
@@ -39,8 +38,8 @@ def test_calibration_is_training_text_only(tiny_reference_dir):  # noqa: F811
     assert "alter" in (tiny_reference_dir / "calibration" / "wordlist.txt").read_text().split()
 
 
-def test_local_tasks_run_through_lm_eval_offline(tiny_reference_dir):  # noqa: F811
-    from pipprune.infra.lmeval import run_lmeval
+def test_local_tasks_run_through_lm_eval_offline(tiny_reference_dir):
+    from infra.lmeval import run_lmeval
 
     results = run_lmeval(tiny_reference_dir, ["pipprune_wordnet_cloze", "pipprune_persuasion"],
                          include_path=tiny_reference_dir / "tasks", limit=120)

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests._reference_fixtures import tiny_reference_dir  # noqa: F401 - fixture
-from tests._stack_fixtures import local_stack  # noqa: F401 - fixture
-from tests.test_compress_flow import FlakyS3Proxy, s3_of
+
+from tests.helpers import FlakyS3Proxy, cli, s3_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,14 +22,11 @@ SECRET_KEY = "Zq8/SecretTestKeyThatMustNeverLeak+Xyz12"
 
 
 @pytest.fixture(scope="module")
-def env(local_stack, tmp_path_factory):  # noqa: F811
+def env(local_stack, tmp_path_factory):
     stack, _ = local_stack
     return {**os.environ, **stack.client_env(), "PIPPRUNE_HOME": str(tmp_path_factory.mktemp("rel-home"))}
 
 
-def cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipprune.cli", *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def compress_args(ref: Path, name: str, *extra: str) -> list[str]:
@@ -50,7 +46,7 @@ def versions(env: dict[str, str], name: str) -> list:
     return MlflowClient(env["MLFLOW_TRACKING_URI"]).search_model_versions(f"name = '{name}'")
 
 
-def test_corrupted_checkpoint_is_never_loaded(env, tiny_reference_dir, tmp_path):  # noqa: F811
+def test_corrupted_checkpoint_is_never_loaded(env, tiny_reference_dir, tmp_path):
     s3 = s3_of(env)
     s3.create_bucket(Bucket="corrupt")
     first_env = {**env, "PIPPRUNE_S3_BUCKET": "corrupt", "PIPPRUNE_HOME": str(tmp_path / "a")}
@@ -65,7 +61,7 @@ def test_corrupted_checkpoint_is_never_loaded(env, tiny_reference_dir, tmp_path)
     assert s3.get_object(Bucket="corrupt", Key=key)["Body"].read() == good  # recomputed identically
 
 
-def test_s3_stopped_mid_run_fails_clearly_then_resumes(env, tiny_reference_dir, tmp_path):  # noqa: F811
+def test_s3_stopped_mid_run_fails_clearly_then_resumes(env, tiny_reference_dir, tmp_path):
     s3 = s3_of(env)
     s3.create_bucket(Bucket="outage")
     proxy = FlakyS3Proxy(env["PIPPRUNE_S3_ENDPOINT_URL"], failures=0)
@@ -97,7 +93,7 @@ def test_s3_stopped_mid_run_fails_clearly_then_resumes(env, tiny_reference_dir, 
     assert port  # the first endpoint really was a different, now-dead server
 
 
-def test_mlflow_unavailable_fails_fast_and_writes_nothing(env, tiny_reference_dir, tmp_path):  # noqa: F811
+def test_mlflow_unavailable_fails_fast_and_writes_nothing(env, tiny_reference_dir, tmp_path):
     dead = {**env, "PIPPRUNE_MLFLOW_TRACKING_URI": "http://127.0.0.1:9", "MLFLOW_TRACKING_URI": "http://127.0.0.1:9",
             "PIPPRUNE_S3_BUCKET": "nomlflow", "PIPPRUNE_HOME": str(tmp_path / "h")}
     s3_of(env).create_bucket(Bucket="nomlflow")
@@ -106,7 +102,7 @@ def test_mlflow_unavailable_fails_fast_and_writes_nothing(env, tiny_reference_di
     assert "Contents" not in s3_of(env).list_objects_v2(Bucket="nomlflow")
 
 
-def test_disk_full_while_saving_leaves_no_manifest(env, tiny_reference_dir, tmp_path):  # noqa: F811
+def test_disk_full_while_saving_leaves_no_manifest(env, tiny_reference_dir, tmp_path):
     small = tmp_path / "tiny-disk"
     small.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(small)]).returncode != 0:
@@ -121,7 +117,7 @@ def test_disk_full_while_saving_leaves_no_manifest(env, tiny_reference_dir, tmp_
     assert "No space left" in done.stdout + done.stderr
     keys = [o["Key"] for o in s3_of(env).list_objects_v2(Bucket="diskfull").get("Contents", [])]
     assert not [k for k in keys if k.endswith("iter-2/manifest.json")]  # the step that hit the full disk
-    from pipprune.infra.s3store import CheckpointStore
+    from infra.s3store import CheckpointStore
 
     for key in {k.split("/")[1] for k in keys}:  # whatever did get a manifest is complete and verifies
         store = CheckpointStore(s3_of(env), "diskfull", key)
@@ -129,9 +125,9 @@ def test_disk_full_while_saving_leaves_no_manifest(env, tiny_reference_dir, tmp_
     assert versions(env, "rel-diskfull") == []
 
 
-def test_checkpoints_are_safetensors_and_foreign_code_never_runs(tiny_reference_dir, tmp_path):  # noqa: F811
-    from pipprune.pip_core import io as core_io
-    from pipprune.pip_core.errors import UnsupportedArchitectureError
+def test_checkpoints_are_safetensors_and_foreign_code_never_runs(tiny_reference_dir, tmp_path):
+    from pip_core import io as core_io
+    from pip_core.errors import UnsupportedArchitectureError
 
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil"
@@ -155,7 +151,7 @@ def test_checkpoints_are_safetensors_and_foreign_code_never_runs(tiny_reference_
         core_io.load(pickled)
 
 
-def test_two_runs_at_once_do_not_clobber_and_never_leak_credentials(env, tiny_reference_dir, tmp_path):  # noqa: F811
+def test_two_runs_at_once_do_not_clobber_and_never_leak_credentials(env, tiny_reference_dir, tmp_path):
     """Two runs share the stack at once; both use recognisable secret credentials that must appear nowhere."""
     s3_of(env).create_bucket(Bucket="concurrent")
     procs = []

@@ -19,12 +19,12 @@ def lineage(
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Print the chain behind a model version and re-verify every hash; exit 1 on any mismatch."""
-    from pipprune.infra.runtime import prepare_runtime
+    from infra.runtime import prepare_runtime
 
     settings = prepare_runtime()
-    from pipprune.infra.lineage import LineageError, trace
-    from pipprune.infra.mlflow_utils import mlflow_client
-    from pipprune.infra.s3store import CheckpointStore
+    from infra.lineage import LineageError, trace
+    from infra.mlflow_utils import mlflow_client
+    from infra.s3store import CheckpointStore
 
     try:
         result = trace(mlflow_client(), lambda key: CheckpointStore.from_settings(settings, key), name, version)
@@ -78,7 +78,7 @@ def promote(
     """Move ALIAS to VERSION only if the version's logged metrics pass every gate."""
     from pydantic import ValidationError
 
-    from pipprune.infra.promotion import PromotionError, PromotionGates, check_alias
+    from infra.promotion import PromotionError, PromotionGates, check_alias
 
     try:
         check_alias(alias)
@@ -87,11 +87,11 @@ def promote(
         _fail("gate file: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
     except PromotionError as exc:
         _fail(str(exc))
-    from pipprune.infra.runtime import prepare_runtime
+    from infra.runtime import prepare_runtime
 
     prepare_runtime()
-    from pipprune.infra.mlflow_utils import mlflow_client
-    from pipprune.infra.promotion import promote as do_promote
+    from infra.mlflow_utils import mlflow_client
+    from infra.promotion import promote as do_promote
 
     try:
         outcome = do_promote(mlflow_client(), name, version, alias, gate_cfg, reason)

@@ -22,7 +22,7 @@ def build(
     import json
     import logging
 
-    from pipprune.infra.settings import Settings
+    from infra.settings import Settings
 
     if size not in ("tiny", "small"):
         typer.secho(f"error: unknown size {size!r}; use tiny or small", fg=typer.colors.RED, err=True)
@@ -34,8 +34,8 @@ def build(
             typer.echo(f"reference {size} already built in {out} (use --force to rebuild)")
             return
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from pipprune.infra.reference.build import build_reference
-    from pipprune.infra.reference.sources import MissingDataPackage
+    from infra.reference.build import build_reference
+    from infra.reference.sources import MissingDataPackage
 
     try:
         manifest = build_reference(size, out, cache_dir or Settings().home / "cache", seed=seed)

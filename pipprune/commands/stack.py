@@ -10,8 +10,8 @@ app = typer.Typer(no_args_is_help=True)
 
 
 def _stack():  # noqa: ANN202
-    from pipprune.infra.settings import Settings, apply_process_env
-    from pipprune.infra.stack import LocalStack
+    from infra.settings import Settings, apply_process_env
+    from infra.stack import LocalStack
 
     settings = Settings()
     apply_process_env(settings)
@@ -19,7 +19,7 @@ def _stack():  # noqa: ANN202
 
 
 def _print(statuses, as_json: bool) -> None:  # noqa: ANN001
-    from pipprune.infra.stack import LocalStack
+    from infra.stack import LocalStack
 
     if as_json:
         print(json.dumps(LocalStack.as_dicts(statuses), indent=1))
@@ -32,7 +32,7 @@ def _print(statuses, as_json: bool) -> None:  # noqa: ANN001
 @app.command()
 def up(json_out: bool = typer.Option(False, "--json")) -> None:
     """Start (or reuse) the S3, MLflow and Prefect servers and wait until they are healthy."""
-    from pipprune.infra.stack import StackError
+    from infra.stack import StackError
 
     stack = _stack()
     try:

@@ -1,0 +1,51 @@
+"""lm-eval on a model directory: the one code path behind `pipprune eval` and the pipeline's evaluate.
+
+The model is loaded by pipprune's own loader (safetensors only, per-layer pruned classes
+registered in-process, so no `trust_remote_code`) and handed to lm-eval's HFLM in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: lm-eval reports stderr next to each metric; we keep the metrics
+_SKIP_SUFFIX = "_stderr"
+
+
+def run_lmeval(model_dir: Path, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
+               batch_size: int = 8, device: str | None = None) -> dict[str, dict[str, float]]:
+    """Evaluate `tasks` on the model in `model_dir`; returns {task: {metric: value}}."""
+    import torch
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from pip_core import io as core_io
+
+    if include_path is not None and not Path(include_path).is_dir():
+        raise FileNotFoundError(f"lm-eval include path not found: {include_path}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    manager = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else TaskManager()
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"unknown lm-eval task(s) {unknown}" + (f" in {include_path}" if include_path else ""))
+    model, tokenizer = core_io.load(model_dir, device_map=device if device != "cpu" else None)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, device=device)
+    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, bootstrap_iters=0,
+                              log_samples=False, verbosity="WARNING")
+    out: dict[str, dict[str, float]] = {}
+    for task, metrics in results["results"].items():
+        clean = {}
+        for key, value in metrics.items():
+            name = key.split(",")[0]
+            if name.endswith(_SKIP_SUFFIX) or not isinstance(value, (int, float)) or name in ("alias", "sample_len"):
+                continue
+            if isinstance(value, float) and math.isnan(value):
+                continue
+            clean[name] = float(value)
+        out[task] = clean
+    return out

@@ -1,0 +1,79 @@
+"""Checks run before a compress job touches any server: bad input fails in seconds, by name.
+
+Nothing is started, tracked or registered when these fail, so a typo never leaves a
+half-written run behind.
+"""
+
+from __future__ import annotations
+
+from infra.config import CompressConfig
+from infra.settings import Settings
+
+
+class PreflightError(ValueError):
+    """An input or a service is not usable; the message says which and why."""
+
+
+def check_inputs(config: CompressConfig) -> None:
+    """Model directory, architecture, tokenizer, calibration file, memory: all before any work."""
+    from infra.calibration import CalibrationSource, load_calibration
+    from infra.model_source import local_model_dir
+    from pip_core import io as core_io
+    from pip_core.memory_plan import available_bytes, plan_memory
+
+    local = local_model_dir(config.model)
+    model_config = core_io.check_loadable(local)
+    core_io.check_tokenizer(local)
+    if config.unit != "block" and config.method == "block_influence":
+        raise PreflightError("block_influence scores blocks only")
+    source = CalibrationSource(config.calibration, config.wordlist)
+    load_calibration(source.path)
+    plan = plan_memory(model_config, dtype=str(model_config.get("torch_dtype") or model_config.get("dtype") or
+                                             "float32").replace("torch.", ""), seq_len=config.max_length)
+    free = available_bytes("cpu")
+    if plan.peak_scoring > free:
+        raise PreflightError(f"{config.model} needs about {plan.peak_scoring / 2**30:.1f} GiB for PIP scoring "
+                             f"({plan.weights / 2**30:.1f} GiB weights) but {free / 2**30:.1f} GiB is free; "
+                             "see `pipprune plan`")
+
+
+def check_mlflow(uri: str | None) -> None:
+    """An HTTP tracking server must answer its health check (bounded: a few seconds)."""
+    import urllib.request
+
+    if not uri or not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:  # noqa: S310
+            if response.status == 200:
+                return
+    except OSError as exc:
+        raise PreflightError(f"cannot reach MLflow at {uri}: {exc}") from exc
+    raise PreflightError(f"MLflow at {uri} is not healthy")
+
+
+def check_services(settings: Settings) -> None:
+    """The bucket exists and the credentials may use it; MLflow answers."""
+    import os
+    import botocore.exceptions as bce
+
+    from infra.s3store import s3_client
+
+    client = s3_client(settings)
+    where = settings.s3_endpoint_url or "AWS S3"
+    try:
+        client.head_bucket(Bucket=settings.s3_bucket)
+    except bce.NoCredentialsError as exc:
+        raise PreflightError(f"no AWS credentials found for {where}: set AWS_ACCESS_KEY_ID/"
+                             "AWS_SECRET_ACCESS_KEY or AWS_PROFILE") from exc
+    except bce.ClientError as exc:
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status == 404:
+            raise PreflightError(f"S3 bucket {settings.s3_bucket!r} does not exist at {where}") from exc
+        if status in (401, 403):
+            raise PreflightError(f"access denied to S3 bucket {settings.s3_bucket!r} at {where}: "
+                                 "check the AWS credentials") from exc
+        raise PreflightError(f"S3 bucket {settings.s3_bucket!r} at {where}: {exc}") from exc
+    except (bce.EndpointConnectionError, bce.ConnectTimeoutError) as exc:
+        raise PreflightError(f"cannot reach S3 at {where}: {exc}") from exc
+    check_mlflow(settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))

@@ -1,0 +1,117 @@
+"""`pipprune reference build`: corpus -> tokenizer -> trained Llama -> lm-eval tasks -> calibration data.
+
+The output directory is an ordinary Hugging Face model directory plus `tasks/` (lm-eval
+include path), `calibration/` (calibration.jsonl + wordlist.txt) and `manifest.json` (sources,
+licenses, hashes, training figures). It is written to a temporary sibling and renamed at the
+end, so a crashed build never looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from infra.calibration import windows
+from infra.hashing import sha256_dir
+from infra.reference import sources
+from infra.reference.corpus import build_corpus
+from infra.reference.lmeval_tasks import persuasion_chunks, write_tasks
+from infra.reference.tokenizer import train_tokenizer
+from infra.reference.train import SIZES, train
+from pip_core.perplexity import perplexity
+from pip_core.wordlist import WordList
+
+log = logging.getLogger(__name__)
+
+
+def _token_stream(texts: dict[str, str], tokenizer, cache: Path) -> torch.Tensor:  # noqa: ANN001
+    """All training paragraphs tokenised and joined with </s>, cached as .npy (no pickle)."""
+    if cache.is_file():
+        return torch.from_numpy(np.load(cache, allow_pickle=False).astype(np.int64))
+    paragraphs = [p for text in texts.values() for p in text.split("\n\n") if p.strip()]
+    ids: list[int] = []
+    eos = tokenizer.eos_token_id
+    for start in range(0, len(paragraphs), 2048):
+        for row in tokenizer(paragraphs[start: start + 2048], add_special_tokens=False)["input_ids"]:
+            ids.extend(row)
+            ids.append(eos)
+    array = np.asarray(ids, dtype=np.int32)
+    tmp = cache.with_suffix(".tmp.npy")
+    np.save(tmp, array, allow_pickle=False)
+    tmp.replace(cache)
+    return torch.from_numpy(array.astype(np.int64))
+
+
+def build_reference(size: Literal["tiny", "small"], out_dir: Path, cache_dir: Path, seed: int = 0,
+                    progress: bool = True) -> dict:
+    """Build the reference model into `out_dir`; returns the manifest."""
+    if size not in SIZES:
+        raise ValueError(f"unknown reference size {size!r}; use one of {sorted(SIZES)}")
+    spec = SIZES[size]
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cache_dir = cache_dir.resolve()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    corpus = build_corpus(cache_dir)
+    texts = corpus.train_texts()
+    tokenizer = train_tokenizer((p for t in texts.values() for p in t.split("\n\n")), spec.vocab_size,
+                                cache_dir / f"tokenizer-{corpus.digest[:12]}-{spec.vocab_size}")
+    stream = _token_stream(texts, tokenizer, cache_dir / f"tokens-{corpus.digest[:12]}-{spec.vocab_size}.npy")
+    log.info("training %s on %d tokens", size, stream.numel())
+
+    out_dir = out_dir.resolve()
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model, stats = train(spec, tokenizer, stream, tmp / "train_log.jsonl", seed=seed, progress=progress)
+    heldout_text = corpus.heldout.read_text()
+    heldout = perplexity(model, tokenizer, persuasion_chunks(heldout_text, words=120, n=40), max_length=spec.seq_len)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+
+    task_paths = write_tasks(tmp / "tasks", heldout_text, seed=seed)
+    calib_dir = tmp / "calibration"
+    calib_dir.mkdir()
+    rows = []
+    for source, text in sorted(texts.items()):
+        for window in windows(text.split("\n\n"), words_per_window=64, n=256, seed=seed):
+            rows.append({"text": window, "source": source})
+    (calib_dir / "calibration.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    WordList.from_texts(texts.values(), min_count=3).write(calib_dir / "wordlist.txt")
+
+    manifest = {
+        "name": f"pipprune-reference-{size}",
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "seed": seed,
+        "sources": {k: {"title": v.name, "package": v.package, "license": v.license,
+                        "sha256": corpus.sha256.get(k)} for k, v in sources.SOURCES.items()},
+        "corpus_sha256": corpus.digest,
+        "train_tokens": int(stream.numel()),
+        "num_parameters": int(sum(p.numel() for p in model.parameters())),
+        "config": {k: getattr(model.config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                          "num_attention_heads", "num_key_value_heads",
+                                                          "intermediate_size")},
+        "training": stats,
+        "heldout_perplexity": heldout["perplexity"],
+        "uniform_perplexity": float(len(tokenizer)),
+        "tasks": {name: str(path.relative_to(tmp)) for name, path in task_paths.items()},
+        "calibration_windows": len(rows),
+        "environment": {"python": platform.python_version(), "torch": torch.__version__},
+    }
+    # the YAMLs point at data inside `tmp`: rewrite them for the final location
+    for path in task_paths.values():
+        path.write_text(path.read_text().replace(str(tmp), str(out_dir)))
+    manifest["files"] = sha256_dir(tmp)
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    log.info("reference %s: %d params, train loss %.3f, held-out ppl %.1f", size, manifest["num_parameters"],
+             stats["final_train_loss"], heldout["perplexity"])
+    return manifest

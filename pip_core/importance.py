@@ -1,0 +1,298 @@
+"""Unit importance: PIP's PertImport and the baselines, behind one `score` function.
+
+PertImport(u) = mean over pairs of || grad_u L(s) - grad_u L(s~) ||. By linearity of the
+gradient that difference is grad_u (L(s) - L(s~)), so each pair costs one forward of both views
+(one padded batch of two) and ONE backward. Gradients are reduced to per-unit squared norms by
+hooks the moment each parameter's gradient is ready and then freed, so no full gradient copy
+is ever held.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from pip_core.errors import CalibrationError, PipCoreError
+from pip_core.units import Unit, check_supported, decoder_layers, layer_shape, unit_slices
+
+log = logging.getLogger(__name__)
+
+METHODS = ("pip", "random", "magnitude", "taylor", "block_influence")
+
+
+# ---------------------------------------------------------------- tokenisation
+
+def _encode(tokenizer, texts: Sequence[str], max_length: int) -> list[torch.Tensor]:  # noqa: ANN001
+    """Token ids per text; texts under 2 tokens cannot give a next-token loss and are refused."""
+    if len(texts) == 0:
+        raise CalibrationError("empty calibration set: at least one text is needed")
+    encoded = []
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise CalibrationError(f"calibration text {i} is {type(text).__name__}, not str")
+        ids = tokenizer(text, truncation=True, max_length=max_length, return_tensors="pt")["input_ids"][0]
+        if ids.numel() < 2:
+            raise CalibrationError(f"calibration text {i} is shorter than 2 tokens: {text[:40]!r}")
+        encoded.append(ids)
+    return encoded
+
+
+def _batch(seqs: Sequence[torch.Tensor], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    width = max(s.numel() for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, : s.numel()] = s
+        mask[row, : s.numel()] = 1
+    return ids.to(device), mask.to(device)
+
+
+def per_sequence_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of each row over its own (unpadded) tokens."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    target = ids[:, 1:]
+    valid = mask[:, 1:].to(logits.dtype)
+    nll = nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+    return (nll * valid).sum(1) / valid.sum(1)
+
+
+# ---------------------------------------------------------------- reductions
+
+Reducer = Callable[[torch.Tensor], None]
+
+
+def _unit_reducers(model: nn.Module, units: Sequence[Unit], acc: torch.Tensor,
+                   fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> dict[nn.Parameter, list[Reducer]]:
+    """For each parameter, closures adding `fn(grad, weight)` summed per unit into `acc[unit_row]`.
+
+    Vectorised per parameter: one reduction gives every group/channel of a layer at once.
+    """
+    layers = decoder_layers(model)
+    reducers: dict[nn.Parameter, list[Reducer]] = defaultdict(list)
+    by_layer: dict[tuple[str, int], dict[int | None, int]] = defaultdict(dict)
+    for row, u in enumerate(units):
+        by_layer[(u.kind, u.layer)][u.index] = row
+
+    def add(param: nn.Parameter, rows: torch.Tensor, dim: int, groups: int, block: bool = False) -> None:
+        def reduce(grad: torch.Tensor) -> None:
+            value = fn(grad, param.detach())
+            if block:
+                acc[rows] += value.sum().to(acc.dtype)
+                return
+            other = tuple(d for d in range(value.dim()) if d != dim)
+            per_index = value.sum(dim=other) if other else value
+            acc.index_add_(0, rows, per_index.reshape(groups, -1).sum(1).to(acc.dtype))
+        reducers[param].append(reduce)
+
+    for (kind, i), rows_of in by_layer.items():
+        layer = layers[i]
+        if kind == "block":
+            row = torch.tensor([rows_of[None]])
+            for p in layer.parameters():
+                add(p, row, 0, 1, block=True)
+            continue
+        s = layer_shape(layer)
+        n = s.num_kv_heads if kind == "attn" else s.intermediate
+        if len(rows_of) != n:
+            raise PipCoreError(f"layer {i} has {n} {kind} units but {len(rows_of)} were given; score all units of a kind")
+        rows = torch.tensor([rows_of[j] for j in range(n)])
+        if kind == "attn":
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                add(proj.weight, rows, 0, n)
+                if proj.bias is not None:
+                    add(proj.bias, rows, 0, n)
+            add(attn.o_proj.weight, rows, 1, n)
+        else:
+            mlp = layer.mlp
+            for proj in (mlp.gate_proj, mlp.up_proj):
+                add(proj.weight, rows, 0, n)
+                if proj.bias is not None:
+                    add(proj.bias, rows, 0, n)
+            add(mlp.down_proj.weight, rows, 1, n)
+    return reducers
+
+
+class _GradientTrap:
+    """Only unit parameters require grad; each gradient is reduced and freed as soon as it lands."""
+
+    def __init__(self, model: nn.Module, reducers: dict[nn.Parameter, list[Reducer]]) -> None:
+        self.model, self.reducers = model, reducers
+        self.saved = {p: p.requires_grad for p in model.parameters()}
+        self.handles: list = []
+
+    def __enter__(self) -> "_GradientTrap":
+        wanted = set(self.reducers)
+        for p in self.model.parameters():
+            p.requires_grad_(p in wanted)
+            p.grad = None
+        for p, fns in self.reducers.items():
+            def hook(param: nn.Parameter, fns: list[Reducer] = fns) -> None:
+                for fn in fns:
+                    fn(param.grad)
+                param.grad = None
+            self.handles.append(p.register_post_accumulate_grad_hook(hook))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+        for p, flag in self.saved.items():
+            p.requires_grad_(flag)
+            p.grad = None
+
+
+# ---------------------------------------------------------------- methods
+
+def _square(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return grad.float().pow(2)
+
+
+def pert_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
+                max_length: int = 128, progress: bool = True) -> torch.Tensor:
+    """PIP: mean over pairs of the L2 norm of each unit's gradient difference between the views."""
+    if not pairs:
+        raise CalibrationError("empty calibration set: no (original, perturbed) pairs")
+    originals = _encode(tokenizer, [p[0] for p in pairs], max_length)
+    perturbed = _encode(tokenizer, [p[1] for p in pairs], max_length)
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    total = torch.zeros(len(units), dtype=torch.float64)
+    sq = torch.zeros(len(units), dtype=torch.float64)
+    reducers = _unit_reducers(model, units, sq, _square)
+    with _GradientTrap(model, reducers):
+        for a, b in tqdm(list(zip(originals, perturbed)), desc="PIP dual-view gradients", disable=not progress):
+            sq.zero_()
+            ids, mask = _batch([a, b], pad, device)
+            losses = per_sequence_loss(model, ids, mask)
+            (losses[0] - losses[1]).backward()
+            total += sq.sqrt()
+    return total / len(pairs)
+
+
+def taylor(model: nn.Module, tokenizer, texts: Sequence[str], units: Sequence[Unit],  # noqa: ANN001
+           max_length: int = 128, progress: bool = True) -> torch.Tensor:
+    """First-order Taylor (LLM-Pruner, element-wise): sum over the unit of |w * dL/dw|.
+
+    The gradient is that of the LM loss summed over the calibration texts, as LLM-Pruner
+    accumulates it before taking the product with the weights.
+    """
+    seqs = _encode(tokenizer, texts, max_length)
+    device = next(model.parameters()).device
+    params = {p for u in units for p in _unit_params(model, u)}
+    saved = {p: p.requires_grad for p in model.parameters()}
+    try:
+        for p in model.parameters():
+            p.requires_grad_(p in params)
+            p.grad = None
+        for s in tqdm(seqs, desc="Taylor gradients", disable=not progress):
+            ids, mask = _batch([s], 0, device)
+            per_sequence_loss(model, ids, mask).sum().backward()
+        acc = torch.zeros(len(units), dtype=torch.float64)
+        reducers = _unit_reducers(model, units, acc, lambda g, w: (g.float() * w.float()).abs())
+        for p, fns in reducers.items():
+            for fn in fns:
+                fn(p.grad if p.grad is not None else torch.zeros_like(p))
+        return acc
+    finally:
+        for p, flag in saved.items():
+            p.requires_grad_(flag)
+            p.grad = None
+
+
+def _unit_params(model: nn.Module, unit: Unit) -> list[torch.Tensor]:
+    return [t for t, _, _ in unit_slices(decoder_layers(model)[unit.layer], unit)]
+
+
+@torch.no_grad()
+def magnitude(model: nn.Module, units: Sequence[Unit]) -> torch.Tensor:
+    """L2 norm of each unit's weights (the group magnitude criterion of Torch-Pruning)."""
+    acc = torch.zeros(len(units), dtype=torch.float64)
+    for p, fns in _unit_reducers(model, units, acc, lambda g, w: w.float().pow(2)).items():
+        for fn in fns:
+            fn(p.detach())
+    return acc.sqrt()
+
+
+@torch.no_grad()
+def block_influence(model: nn.Module, tokenizer, texts: Sequence[str], units: Sequence[Unit],  # noqa: ANN001
+                    max_length: int = 128, progress: bool = True) -> torch.Tensor:
+    """ShortGPT: mean over tokens of 1 - cos(h_in, h_out) of each block (low = redundant)."""
+    if any(u.kind != "block" for u in units):
+        raise PipCoreError("block_influence scores whole blocks only; use unit kind 'block'")
+    seqs = _encode(tokenizer, texts, max_length)
+    device = next(model.parameters()).device
+    layers = decoder_layers(model)
+    sums = torch.zeros(len(layers), dtype=torch.float64)
+    count = 0
+
+    def make_hook(i: int):  # noqa: ANN202
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            h_in = args[0] if args else kwargs["hidden_states"]
+            h_out = output[0] if isinstance(output, tuple) else output
+            cos = nn.functional.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
+            sums[i] += (1 - cos).sum().double()
+        return hook
+
+    handles = [layer.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        for s in tqdm(seqs, desc="block influence", disable=not progress):
+            ids, mask = _batch([s], 0, device)
+            model(input_ids=ids, attention_mask=mask)
+            count += s.numel()
+    finally:
+        for h in handles:
+            h.remove()
+    per_layer = sums / count
+    return torch.stack([per_layer[u.layer] for u in units])
+
+
+def random_scores(units: Sequence[Unit], seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(len(units), generator=generator, dtype=torch.float64)
+
+
+def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=None,  # noqa: ANN001
+          pairs: Sequence[tuple[str, str]] | None = None, texts: Sequence[str] | None = None, seed: int = 0,
+          max_length: int = 128, progress: bool = True, gradient_checkpointing: bool = False) -> torch.Tensor:
+    """Importance of each unit (float64, aligned with `units`; higher = keep).
+
+    `gradient_checkpointing` recomputes each layer's activations during backward instead of
+    storing them: same scores, activation memory of one layer instead of all (for large models).
+    """
+    if method not in METHODS:
+        raise PipCoreError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    check_supported(model)
+    if not units:
+        raise PipCoreError("no units to score")
+    was_training = model.training
+    model.eval()
+    if gradient_checkpointing:
+        if getattr(model.config, "attention_dropout", 0.0) or getattr(model.config, "hidden_dropout", 0.0):
+            raise PipCoreError("gradient checkpointing needs train mode; this model has dropout, which would "
+                               "make scores random")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # HF only checkpoints in train mode; without dropout the maths is identical
+    torch.manual_seed(seed)
+    try:
+        if method == "random":
+            return random_scores(units, seed)
+        if method == "magnitude":
+            return magnitude(model, units)
+        if tokenizer is None:
+            raise PipCoreError(f"method {method!r} needs a tokenizer")
+        if method == "pip":
+            return pert_import(model, tokenizer, pairs or [], units, max_length, progress)
+        calib = list(texts) if texts is not None else [p[0] for p in (pairs or [])]
+        if method == "taylor":
+            return taylor(model, tokenizer, calib, units, max_length, progress)
+        return block_influence(model, tokenizer, calib, units, max_length, progress)
+    finally:
+        if gradient_checkpointing:
+            model.gradient_checkpointing_disable()
+        model.train(was_training)

@@ -1,0 +1,171 @@
+"""Save and load pruned models as ordinary Hugging Face directories (safetensors).
+
+Uniform shapes keep the stock config, so any tool loads them. Per-layer widths use the config +
+model classes of `modeling_pipprune`, saved beside the weights with an `auto_map`; pipprune
+registers those classes in-process and so never needs `trust_remote_code` for its own output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from pip_core import modeling_pipprune
+from pip_core.errors import UnsupportedArchitectureError
+from pip_core.prune import sync_config
+from pip_core.units import SUPPORTED_MODEL_TYPES, check_supported, param_count
+
+log = logging.getLogger(__name__)
+
+__all__ = ["save_pruned", "load", "check_loadable", "check_tokenizer", "model_fingerprint", "param_count", "param_count_from_dir"]
+
+#: files that describe a run, not the model (left out of the fingerprint)
+_NOT_MODEL_FILES = {"pipprune_provenance.json"}
+_STOCK_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MODELING_FILE = Path(modeling_pipprune.__file__)
+
+
+def register_classes() -> None:
+    """Make AutoConfig/AutoModelForCausalLM resolve our per-layer types to our own code (idempotent)."""
+    for config_cls, model_cls in modeling_pipprune.PRUNED_CLASSES.values():
+        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+        AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+
+
+def _base_type(model_type: str) -> str:
+    return model_type.removeprefix("pipprune_")
+
+
+def _stock_valid(config_dict: dict, base: str, head_dim: int) -> bool:
+    """True if the stock config class accepts these widths and rebuilds the same head size."""
+    stock_cls = type(AutoConfig.for_model(base))
+    try:
+        stock = stock_cls(**config_dict)
+    except (ValueError, TypeError):
+        return False
+    rebuilt = getattr(stock, "head_dim", None) or stock.hidden_size // stock.num_attention_heads
+    return rebuilt == head_dim
+
+
+def save_pruned(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path) -> Path:
+    """Write `model` (+ tokenizer) to `out_dir`; the model object is switched to the matching class."""
+    check_supported(model)
+    sync_config(model)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    base = _base_type(config.model_type)
+    fields = {k: v for k, v in config.to_dict().items()
+              if k not in {"model_type", "layer_widths", "auto_map", "architectures", "transformers_version"}}
+    widths = getattr(config, "layer_widths", None)
+    head_dim = int(model.model.layers[0].self_attn.head_dim)
+    if widths is None and _stock_valid(fields, base, head_dim):
+        new_config = type(AutoConfig.for_model(base))(**fields)
+        model.__class__ = _stock_model_class(base)
+    else:
+        config_cls, model_cls = modeling_pipprune.PRUNED_CLASSES[base]
+        new_config = config_cls(**{**fields, "head_dim": head_dim}, layer_widths=widths)
+        model.__class__ = model_cls
+        config_cls.register_for_auto_class()
+        model_cls.register_for_auto_class("AutoModelForCausalLM")
+    new_config.architectures = [model.__class__.__name__]
+    model.config = new_config
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def _stock_model_class(base: str) -> type:
+    import transformers
+
+    return getattr(transformers, _STOCK_CLASSES[base])
+
+
+def read_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+def check_loadable(model_dir: str | Path) -> dict:
+    """Refuse, before loading any weights, a directory that is not a supported causal LM."""
+    config = read_config(model_dir)
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        arch = ", ".join(config.get("architectures") or [str(model_type)])
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {arch} (model_type={model_type!r}) in {model_dir}; "
+            "pipprune prunes Llama-layout causal LMs (llama, mistral, qwen2)")
+    if not list(Path(model_dir).glob("*.safetensors")):
+        raise FileNotFoundError(f"{model_dir} has no .safetensors weights (pickled checkpoints are not loaded)")
+    return config
+
+
+def check_tokenizer(model_dir: str | Path) -> None:
+    """Refuse a directory without tokenizer files before any work starts."""
+    names = {"tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"}
+    if not any((Path(model_dir) / n).is_file() for n in names):
+        raise FileNotFoundError(f"{model_dir} has no tokenizer (none of {sorted(names)})")
+
+
+def load(model_dir: str | Path, dtype: torch.dtype | str = torch.float32, device_map: str | None = None,
+         tokenizer: bool = True) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+    """Load a model directory (stock or per-layer pruned) and its tokenizer, safetensors only."""
+    check_loadable(model_dir)
+    register_classes()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device_map,
+                                                 use_safetensors=True, trust_remote_code=False)
+    model.eval()
+    tok = None
+    if tokenizer:
+        try:
+            tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        except (OSError, ValueError) as exc:
+            raise FileNotFoundError(f"no usable tokenizer in {model_dir}: {exc}") from exc
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """sha256 over every file's relative path and sha256 (provenance files excluded)."""
+    root = Path(model_dir)
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel in _NOT_MODEL_FILES or rel.startswith(".cache/"):
+            continue
+        h.update(rel.encode() + b"\0" + _sha256_file(path).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def param_count_from_dir(model_dir: str | Path) -> int:
+    """Parameter count from safetensors headers alone (tied weights stored once count once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as fh:
+            for name in fh.keys():
+                shape = fh.get_slice(name).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n
+    return total

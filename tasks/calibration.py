@@ -1,0 +1,70 @@
+"""prepare_calibration: calibration texts -> (original, perturbed) pairs + held-out texts on disk."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from prefect import task
+
+from infra.calibration import CalibrationSource, calibration_hash, load_calibration
+from infra.settings import Settings
+from pip_core.perturb import Perturber
+from pip_core.wordlist import WordList
+from tasks._common import key_from
+from tasks.refs import CalibrationRef
+
+log = logging.getLogger(__name__)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+@task(name="prepare-calibration", cache_key_fn=key_from("source_digest", "n_samples", "heldout_samples",
+                                                        "seed", "perturb_rate"),
+      persist_result=True, result_serializer="json")
+def prepare_calibration(calibration: str, wordlist: str | None, source_digest: str, n_samples: int,
+                        heldout_samples: int, seed: int, perturb_rate: float) -> CalibrationRef:
+    """Sample calibration texts, hold some out for quick perplexity, and build perturbed pairs.
+
+    `source_digest` (from `CalibrationSource.digest`) keys the cache on content, so editing the
+    file invalidates cached pairs even when its path is unchanged.
+    """
+    source = CalibrationSource(calibration, wordlist)
+    dataset = load_calibration(source.path, n_samples=n_samples + heldout_samples, seed=seed)
+    texts = list(dataset["text"])
+    if len(texts) < n_samples + heldout_samples:
+        log.warning("calibration has %d texts, fewer than the %d requested", len(texts), n_samples + heldout_samples)
+    held = texts[:heldout_samples] if len(texts) > heldout_samples else []
+    calib = texts[len(held):]
+    words = WordList.from_file(source.wordlist) if source.wordlist else WordList.from_texts(texts)
+    result = Perturber(words, rate=perturb_rate, seed=seed).perturb_many(calib)
+    if not result.pairs:
+        raise ValueError(f"no calibration text in {source.path} could be perturbed (word list of {len(words)} words)")
+    out = Settings().work_dir / "calibration" / source_digest[:16] / f"n{n_samples}-h{heldout_samples}-s{seed}-r{perturb_rate}"
+    out.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(out / "pairs.jsonl", [
+        {"original": p.original, "perturbed": p.perturbed,
+         "edits": [[e.original_word, e.new_word, e.op] for e in p.edits]} for p in result.pairs])
+    _write_jsonl(out / "heldout.jsonl", [{"text": t} for t in held])
+    log.info("calibration: %d pairs (%d texts not perturbable), %d held out", len(result.pairs),
+             len(result.skipped), len(held))
+    return CalibrationRef(pairs_path=str(out / "pairs.jsonl"), heldout_path=str(out / "heldout.jsonl"),
+                          data_hash=calibration_hash(dataset), wordlist_hash=words.sha256,
+                          n_pairs=len(result.pairs), n_skipped=len(result.skipped), n_heldout=len(held))
+
+
+def read_pairs(ref: CalibrationRef) -> list[tuple[str, str]]:
+    with open(ref.pairs_path) as fh:
+        return [(row["original"], row["perturbed"]) for row in map(json.loads, fh)]
+
+
+def read_heldout(ref: CalibrationRef) -> list[str]:
+    with open(ref.heldout_path) as fh:
+        return [json.loads(line)["text"] for line in fh]

@@ -1,0 +1,62 @@
+"""Resolve a source model and make model refs available on local disk.
+
+Hub ids and local paths go through the same code: a hub id is first materialised into the
+Hugging Face cache (which honours HF_HUB_OFFLINE), then handled exactly like a local directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from prefect import task
+
+from infra.model_source import ModelNotFoundError, local_model_dir  # noqa: F401 - re-exported
+from infra.settings import Settings
+from pip_core import io as core_io
+from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
+from tasks.refs import ModelRef, SourceRef
+
+log = logging.getLogger(__name__)
+
+
+@task(name="resolve-source", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS,
+      retry_condition_fn=retry_transient)
+def resolve_source(model_id: str) -> SourceRef:
+    """Locate the source model, check it is a causal LM we can prune, and fingerprint it."""
+    local = local_model_dir(model_id)
+    core_io.check_loadable(local)
+    fingerprint = core_io.model_fingerprint(local)
+    num_params = core_io.param_count_from_dir(local)
+    log.info("source %s -> %s (%d params, fingerprint %s)", model_id, local, num_params, fingerprint[:12])
+    return SourceRef(model_id=model_id, model=ModelRef(local_dir=str(local), fingerprint=fingerprint,
+                                                       num_params=num_params))
+
+
+def ensure_local(ref: ModelRef, settings: Settings | None = None) -> Path:
+    """Return a local directory holding exactly `ref`, fetching its verified S3 copy if needed."""
+    local = Path(ref.local_dir)
+    if local.is_dir() and core_io.model_fingerprint(local) == ref.fingerprint:
+        return local
+    if not ref.s3_uri:
+        raise FileNotFoundError(f"model {ref.fingerprint[:12]} is missing at {local} and has no S3 copy")
+    from infra.s3store import CheckpointStore
+
+    settings = settings or Settings()
+    store = CheckpointStore.for_uri(settings, ref.s3_uri)
+    store.download_uri(ref.s3_uri, local)
+    if core_io.model_fingerprint(local) != ref.fingerprint:
+        raise RuntimeError(f"model fetched from {ref.s3_uri} does not match fingerprint {ref.fingerprint[:12]}")
+    return local
+
+
+def save_model(net, tokenizer, name: str, num_params: int) -> ModelRef:  # noqa: ANN001
+    """Save `net` under the state dir's models/<name> atomically (a .partial dir renamed into place)."""
+    out = Settings().work_dir / "models" / name
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    core_io.save_pruned(net, tokenizer, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return ModelRef(local_dir=str(out), fingerprint=core_io.model_fingerprint(out), num_params=num_params)

@@ -1,0 +1,105 @@
+"""Helpers shared by test modules: S3 and CLI clients of the test stack, a fault-injecting S3 proxy."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (servers in tests bind loopback only)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def s3_of(env: dict[str, str]):  # noqa: ANN201 - boto3 clients are untyped
+    """A boto3 S3 client with the credentials and endpoint of a client environment of the test stack."""
+    return boto3.client("s3", endpoint_url=env["PIPPRUNE_S3_ENDPOINT_URL"], region_name="us-east-1",
+                        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the `pipprune` CLI in a subprocess with `env`, capturing its output."""
+    return subprocess.run([sys.executable, "-m", "pipprune.cli", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+class FlakyS3Proxy:
+    """A loopback HTTP proxy in front of the S3 server that answers 503 to its first `failures` requests."""
+
+    def __init__(self, upstream: str, failures: int) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlparse
+
+        target = urlparse(upstream)
+        proxy = self
+        self.failures, self.failed, self.forwarded = failures, 0, 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # noqa: ANN002 - silence
+                pass
+
+            def _raw_body(self) -> bytes | None:
+                """The request body as sent, chunked framing (and trailers) included."""
+                if "chunked" not in (self.headers.get("Transfer-Encoding") or ""):
+                    length = int(self.headers.get("Content-Length") or 0)
+                    return self.rfile.read(length) if length else None
+                raw = b""
+                while True:
+                    line = self.rfile.readline()
+                    raw += line
+                    size = int(line.split(b";")[0].strip(), 16)
+                    if size == 0:
+                        while True:
+                            trailer = self.rfile.readline()
+                            raw += trailer
+                            if trailer in (b"\r\n", b"\n", b""):
+                                return raw
+                    raw += self.rfile.read(size) + self.rfile.readline()
+
+            def _handle(self) -> None:
+                body = self._raw_body()
+                if proxy.failed < proxy.failures:
+                    proxy.failed += 1
+                    self.send_response(503)
+                    payload = b"<Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>"
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                proxy.forwarded += 1
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = target.netloc
+                conn.request(self.command, self.path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                length = response.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length or "0")
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
