@@ -48,7 +48,7 @@ def main() -> None:
         def direct_loop() -> None:
             pairs, texts = calibration_pairs(args.model, args.pairs, seed=0)
             model, tok = io.load(args.model)
-            schedule.prune_iteratively(model, tok, "pip", "block", 0.2, 2, pairs=pairs, texts=texts, progress=False)
+            schedule.prune_iteratively(model, tok, schedule.ScoringOptions("pip", "block"), 0.2, 2, pairs=pairs, texts=texts, progress=False)
             io.save_pruned(model, tok, home / "direct")
 
         direct_loop()  # warm-up: imports, kernels and file caches must not be charged to either side

@@ -64,7 +64,8 @@ def main() -> None:
                 for seed in [int(s) for s in seeds.split(",")]:
                     pairs, texts = calibration_pairs(args.model, args.pairs, seed)
                     model = copy.deepcopy(base)
-                    result = schedule.prune_iteratively(model, tokenizer, method, unit, ratio, args.iterations,
+                    result = schedule.prune_iteratively(model, tokenizer, schedule.ScoringOptions(method, unit), ratio,
+                                                        args.iterations,
                                                         pairs=pairs, texts=texts, seed=seed, progress=False)
                     metrics = evaluate(model, tokenizer, args.model, args.limit, scratch)
                     row = {"unit": unit, "ratio": ratio, "method": method, "seed": seed,

@@ -11,24 +11,70 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Literal
-
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-UnitKind = Literal["block", "attn", "mlp", "width"]
-Method = Literal["pip", "random", "magnitude", "taylor", "block_influence"]
-
-#: CLI spellings accepted for methods (the design card writes "block-influence").
-METHOD_ALIASES = {"block-influence": "block_influence"}
+from pip_core.vocabulary import MAX_RATIO, METHOD_ALIASES, Method, PruneTarget
 
 
-class RecoverySettings(BaseModel):
-    """Optional LoRA recovery fine-tuning after the last pruning step; `steps == 0` (default) is off."""
+class _Group(BaseModel):
+    """A group of settings passed whole to the code that uses it (no loose scalars)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    steps: int = Field(0, ge=0, le=1_000_000, description="LoRA training steps on the calibration texts")
+
+class CalibrationSettings(_Group):
+    """Which texts are scored, how many, how long, and how they are perturbed."""
+
+    source: str = Field(description="calibration JSONL/TXT file, or a reference model dir")
+    wordlist: str | None = Field(None, description="word list deciding real words for the perturber "
+                                                   "(default: beside the calibration file)")
+    n_samples: int = Field(32, ge=1, le=100_000, description="calibration pairs scored per step")
+    heldout_samples: int = Field(16, ge=0, le=100_000, description="texts held out for the quick perplexity eval")
+    max_length: int = Field(128, ge=2, le=32_768, description="tokens per text window (scoring and quick eval)")
+    perturb_rate: float = Field(0.15, gt=0.0, le=1.0, description="fraction of words the perturber edits")
+
+
+class ScoringSettings(_Group):
+    """What is pruned, by which criterion, in how many re-scored steps."""
+
+    unit: PruneTarget = Field("block", description="structural unit: block | attn | mlp | width")
+    method: Method = Field("pip", description="criterion: pip | random | magnitude | taylor | block-influence")
+    iterations: int = Field(4, ge=1, le=100, description="prune/re-score steps to reach the ratio")
+    protect_first: int = Field(1, ge=0, description="leading decoder layers never pruned")
+    protect_last: int = Field(1, ge=0, description="trailing decoder layers never pruned")
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _alias_method(cls, value: object) -> object:
+        return METHOD_ALIASES.get(value, value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_method_unit(self) -> "ScoringSettings":
+        if self.method == "block_influence" and self.unit != "block":
+            raise ValueError("method 'block_influence' (ShortGPT) scores whole blocks: use --unit block")
+        return self
+
+
+class EvaluationSettings(_Group):
+    """The final lm-eval evaluation of the source and the pruned model."""
+
+    tasks: tuple[str, ...] = Field((), description="lm-eval task names, comma separated")
+    include_path: str | None = Field(None, description="directory of local lm-eval task YAMLs")
+    limit: int | None = Field(None, ge=1, description="examples per lm-eval task (default: all)")
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _split_tasks(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(t.strip() for t in value.split(",") if t.strip())
+        return value
+
+
+class RecoverySettings(_Group):
+    """Optional LoRA recovery fine-tuning after the last pruning step; `steps == 0` (default) is off."""
+
+    steps: int = Field(0, ge=0, le=1_000_000, description="LoRA recovery steps after pruning, merged back (0 = off)")
     rank: int = Field(8, ge=1, le=1024)
     lr: float = Field(2e-3, gt=0.0, le=1.0)
     batch_size: int = Field(8, ge=1, le=4096)
@@ -40,49 +86,56 @@ class RecoverySettings(BaseModel):
         return self.steps > 0
 
 
+#: flat spellings (older config files, CLI options) -> (group, field)
+FLAT_KEYS: dict[str, tuple[str, str]] = {
+    "wordlist": ("calibration", "wordlist"), "n_samples": ("calibration", "n_samples"),
+    "heldout_samples": ("calibration", "heldout_samples"), "max_length": ("calibration", "max_length"),
+    "perturb_rate": ("calibration", "perturb_rate"),
+    "unit": ("scoring", "unit"), "method": ("scoring", "method"), "iterations": ("scoring", "iterations"),
+    "protect_first": ("scoring", "protect_first"), "protect_last": ("scoring", "protect_last"),
+    "eval_tasks": ("evaluation", "tasks"), "eval_include_path": ("evaluation", "include_path"),
+    "eval_limit": ("evaluation", "limit"),
+}
+
+
 class CompressConfig(BaseModel):
-    """Everything that determines the output of a compress run."""
+    """Everything that determines the output of a compress run, in groups passed whole."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(description="Hugging Face hub id or local directory of a causal LM")
-    ratio: float = Field(0.2, description="fraction of the source model's parameters to remove")
-    unit: UnitKind = "block"
-    method: Method = "pip"
-    iterations: int = Field(4, ge=1, le=100)
-    calibration: str = Field(description="JSONL/TXT calibration file, or a reference model dir")
-    wordlist: str | None = Field(None, description="word list deciding real words (perturber)")
-    n_samples: int = Field(32, ge=1, le=100_000)
-    heldout_samples: int = Field(16, ge=0, le=100_000)
-    max_length: int = Field(128, ge=2, le=32_768)
-    perturb_rate: float = Field(0.15, gt=0.0, le=1.0)
-    seed: int = 0
-    protect_first: int = Field(1, ge=0)
-    protect_last: int = Field(1, ge=0)
-    eval_tasks: tuple[str, ...] = ()
-    eval_include_path: str | None = None
-    eval_limit: int | None = Field(None, ge=1)
+    ratio: float = Field(0.2, description=f"fraction of the source model's parameters to remove, in (0, {MAX_RATIO}]")
+    seed: int = Field(0, description="seed of sampling, perturbation and random scores")
+    calibration: CalibrationSettings
+    scoring: ScoringSettings = ScoringSettings()
+    evaluation: EvaluationSettings = EvaluationSettings()
     recovery: RecoverySettings = RecoverySettings()
-    registered_model_name: str = "pipprune-model"
+    registered_model_name: str = Field("pipprune-model", description="registered model name in MLflow")
     trust_remote_code: bool = False
 
-    @field_validator("method", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _alias_method(cls, value: object) -> object:
-        return METHOD_ALIASES.get(value, value) if isinstance(value, str) else value
+    def _group_flat_keys(cls, data: object) -> object:
+        """Accept flat keys (`n_samples: 8`, `calibration: path`) beside the grouped form."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if isinstance(data.get("calibration"), str):
+            data["calibration"] = {"source": data["calibration"]}
+        for flat, (group, field) in FLAT_KEYS.items():
+            if flat in data:
+                value = data.pop(flat)
+                current = data.get(group)
+                group_data = dict(current) if isinstance(current, dict) else \
+                    (current.model_dump() if isinstance(current, BaseModel) else {})
+                data[group] = {**group_data, field: value}
+        return data
 
     @field_validator("ratio")
     @classmethod
     def _check_ratio(cls, value: float) -> float:
-        if math.isnan(value) or not 0.0 < value <= 0.9:
-            raise ValueError(f"ratio must be in (0, 0.9], got {value}")
-        return value
-
-    @field_validator("eval_tasks", mode="before")
-    @classmethod
-    def _split_tasks(cls, value: object) -> object:
-        if isinstance(value, str):
-            return tuple(t.strip() for t in value.split(",") if t.strip())
+        if math.isnan(value) or not 0.0 < value <= MAX_RATIO:
+            raise ValueError(f"ratio must be in (0, {MAX_RATIO}], got {value}")
         return value
 
     @field_validator("registered_model_name")
@@ -92,16 +145,16 @@ class CompressConfig(BaseModel):
             raise ValueError(f"invalid registered model name {value!r}")
         return value
 
-    @model_validator(mode="after")
-    def _check_method_unit(self) -> "CompressConfig":
-        if self.method == "block_influence" and self.unit != "block":
-            raise ValueError("method 'block_influence' (ShortGPT) scores whole blocks: use --unit block")
-        return self
-
     def digest(self) -> str:
-        """Stable hash of the settings that change the result (not of paths' spelling alone)."""
+        """Stable hash of all settings (recorded in lineage)."""
         payload = self.model_dump(mode="json")
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def result_defining(self) -> dict:
+        """The settings that decide the pruned weights: where inputs live and how they are evaluated do not."""
+        payload = self.model_dump(mode="json", exclude={"model", "evaluation", "registered_model_name"})
+        payload["calibration"] = {k: v for k, v in payload["calibration"].items() if k not in ("source", "wordlist")}
+        return payload
 
 
 def load_config_file(path: Path, **overrides: object) -> CompressConfig:
@@ -114,8 +167,13 @@ def load_config_file(path: Path, **overrides: object) -> CompressConfig:
     for key, value in overrides.items():
         if value is None:
             continue
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
+        group, field = FLAT_KEYS.get(key, (None, None))
+        if group is not None and isinstance(data.get(group), dict):
+            data[group] = {**data[group], field: value}
+        elif isinstance(value, dict) and isinstance(data.get(key), dict):
             data[key] = {**data[key], **value}  # e.g. --recovery-steps keeps the file's recovery.rank
+        elif key == "calibration" and isinstance(data.get(key), dict):
+            data[key] = {**data[key], "source": value}
         else:
             data[key] = value
     return CompressConfig(**data)

@@ -24,12 +24,10 @@ def check_inputs(config: CompressConfig) -> None:
     local = local_model_dir(config.model)
     model_config = core_io.check_loadable(local)
     core_io.check_tokenizer(local)
-    if config.unit != "block" and config.method == "block_influence":
-        raise PreflightError("block_influence scores blocks only")
-    source = CalibrationSource(config.calibration, config.wordlist)
+    source = CalibrationSource(config.calibration.source, config.calibration.wordlist)
     load_calibration(source.path)
     plan = plan_memory(model_config, dtype=str(model_config.get("torch_dtype") or model_config.get("dtype") or
-                                             "float32").replace("torch.", ""), seq_len=config.max_length)
+                                             "float32").replace("torch.", ""), seq_len=config.calibration.max_length)
     free = available_bytes("cpu")
     if plan.peak_scoring > free:
         raise PreflightError(f"{config.model} needs about {plan.peak_scoring / 2**30:.1f} GiB for PIP scoring "

@@ -19,10 +19,9 @@ from tqdm.auto import tqdm
 
 from pip_core.errors import CalibrationError, PipCoreError
 from pip_core.units import Unit, check_supported, decoder_layers, layer_shape, unit_slices
+from pip_core.vocabulary import METHODS
 
 log = logging.getLogger(__name__)
-
-METHODS = ("pip", "random", "magnitude", "taylor", "block_influence")
 
 
 # ---------------------------------------------------------------- tokenisation

@@ -12,10 +12,10 @@ from torch import nn
 from pip_core import importance, prune
 from pip_core.errors import PipCoreError
 from pip_core.units import Unit, discover, param_count
+from pip_core.vocabulary import MAX_RATIO
 
 log = logging.getLogger(__name__)
 
-MAX_RATIO = 0.9
 
 
 def check_ratio(ratio: float) -> None:
@@ -31,6 +31,55 @@ def plan(target_ratio: float, iterations: int) -> list[float]:
     return [target_ratio * (i + 1) / iterations for i in range(iterations)]
 
 
+@dataclass(frozen=True)
+class StepSpec:
+    """What one pruning step must do: the single place the per-step seed and budget are decided."""
+
+    step: int
+    target_ratio: float
+    params_to_remove: int
+    seed: int
+
+
+def step_spec(step: int, cumulative_ratio: float, total_params: int, current_params: int, seed: int) -> StepSpec:
+    """Step `step` (1-based) removes what brings the model to `cumulative_ratio` of `total_params`.
+
+    The seed advances with the step (`seed + step - 1`) so random scores and sampling differ
+    between steps but a rerun is identical; the flow and `prune_iteratively` both come here.
+    """
+    to_remove = round(cumulative_ratio * total_params) - (total_params - current_params)
+    return StepSpec(step=step, target_ratio=cumulative_ratio, params_to_remove=to_remove, seed=seed + step - 1)
+
+
+@dataclass(frozen=True)
+class ScoringOptions:
+    """How units are scored and which layers are off limits (the config's scoring group, as pip_core sees it)."""
+
+    method: str
+    kind: str
+    max_length: int = 128
+    protect_first: int = 1
+    protect_last: int = 1
+    gradient_checkpointing: bool = False
+
+
+def score_step(model: nn.Module, tokenizer, spec: StepSpec, options: ScoringOptions, *,  # noqa: ANN001
+               pairs: Sequence[tuple[str, str]] | None = None, texts: Sequence[str] | None = None,
+               progress: bool = True) -> tuple[list[Unit], list[float]]:
+    """First half of a step: every unit of the current model and its score."""
+    units = discover(model, options.kind)
+    scores = importance.score(model, options.method, units, tokenizer=tokenizer, pairs=pairs, texts=texts,
+                              seed=spec.seed, max_length=options.max_length, progress=progress,
+                              gradient_checkpointing=options.gradient_checkpointing)
+    return units, [float(x) for x in scores.tolist()]
+
+
+def select_step(units: Sequence[Unit], scores: Sequence[float], spec: StepSpec, options: ScoringOptions) -> list[Unit]:
+    """Second half of a step: the lowest-scoring units worth the step's budget, protected layers excluded."""
+    return prune.select(units, scores, spec.params_to_remove, protect_first=options.protect_first,
+                        protect_last=options.protect_last)
+
+
 @dataclass
 class StepReport:
     step: int
@@ -40,6 +89,18 @@ class StepReport:
     removed: list[Unit]
     scores: list[float] = field(repr=False)
     units: list[Unit] = field(repr=False)
+
+
+def step(model: nn.Module, tokenizer, spec: StepSpec, options: ScoringOptions, total_params: int, *,  # noqa: ANN001
+         pairs: Sequence[tuple[str, str]] | None = None, texts: Sequence[str] | None = None,
+         progress: bool = True) -> StepReport:
+    """One pruning step in place: score, select, remove. The flow's tasks run these same three parts."""
+    units, scores = score_step(model, tokenizer, spec, options, pairs=pairs, texts=texts, progress=progress)
+    chosen = select_step(units, scores, spec, options)
+    prune.apply(model, chosen)
+    now = param_count(model)
+    return StepReport(step=spec.step, target_ratio=spec.target_ratio, achieved_ratio=(total_params - now) / total_params,
+                      num_params=now, removed=chosen, scores=scores, units=units)
 
 
 @dataclass
@@ -53,32 +114,23 @@ class IterativeResult:
         return (self.params_before - self.params_after) / self.params_before
 
 
-def prune_iteratively(model: nn.Module, tokenizer, method: str, kind: str, target_ratio: float,  # noqa: ANN001
+def prune_iteratively(model: nn.Module, tokenizer, options: ScoringOptions, target_ratio: float,  # noqa: ANN001
                       iterations: int, *, pairs: Sequence[tuple[str, str]] | None = None,
-                      texts: Sequence[str] | None = None, seed: int = 0, max_length: int = 128,
-                      protect_first: int = 1, protect_last: int = 1,
+                      texts: Sequence[str] | None = None, seed: int = 0,
                       callback: Callable[[int, StepReport], None] | None = None,
                       progress: bool = True) -> IterativeResult:
-    """Prune `model` in place to `target_ratio` of its parameters removed, in `iterations` steps.
+    """Prune `model` in place to `target_ratio` of its parameters removed, in `iterations` calls of `step`.
 
     The ratio counts all parameters (embeddings included), as LLM-Pruner reports it.
     """
-    cumulative = plan(target_ratio, iterations)
     total = param_count(model)
     steps: list[StepReport] = []
-    for step, ratio in enumerate(cumulative, start=1):
-        units = discover(model, kind)
-        scores = importance.score(model, method, units, tokenizer=tokenizer, pairs=pairs, texts=texts,
-                                  seed=seed + step - 1, max_length=max_length, progress=progress)
-        to_remove = round(ratio * total) - (total - param_count(model))
-        chosen = prune.select(units, scores, to_remove, protect_first=protect_first, protect_last=protect_last)
-        prune.apply(model, chosen)
-        now = param_count(model)
-        report = StepReport(step=step, target_ratio=ratio, achieved_ratio=(total - now) / total, num_params=now,
-                            removed=chosen, scores=scores.tolist(), units=units)
-        log.info("step %d: removed %d %s units, ratio %.4f (target %.4f)", step, len(chosen), kind,
+    for i, ratio in enumerate(plan(target_ratio, iterations), start=1):
+        spec = step_spec(i, ratio, total, param_count(model), seed)
+        report = step(model, tokenizer, spec, options, total, pairs=pairs, texts=texts, progress=progress)
+        log.info("step %d: removed %d %s units, ratio %.4f (target %.4f)", i, len(report.removed), options.kind,
                  report.achieved_ratio, ratio)
         steps.append(report)
         if callback is not None:
-            callback(step, report)
+            callback(i, report)
     return IterativeResult(params_before=total, params_after=param_count(model), steps=steps)

@@ -7,24 +7,22 @@ layer may have its own width. A unit's `num_params` is exactly what removing it 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
 from pip_core.errors import PipCoreError, UnsupportedArchitectureError
+from pip_core.vocabulary import KINDS, UnitKind
 
-UnitKind = Literal["block", "attn", "mlp"]
 #: model_type values whose decoder layers have the Llama layout (q/k/v/o + gate/up/down)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "pipprune_llama", "pipprune_mistral", "pipprune_qwen2")
-KINDS = {"block": ("block",), "attn": ("attn",), "mlp": ("mlp",), "width": ("attn", "mlp")}
 
 
 @dataclass(frozen=True)
 class Unit:
     """One removable piece: `index` is the KV group (attn) or channel (mlp); None for a block."""
 
-    kind: str
+    kind: UnitKind
     layer: int
     index: int | None
     num_params: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any, Callable
@@ -38,7 +39,11 @@ def key_from(*param_names: str) -> Callable[[TaskRunContext, dict[str, Any]], st
         parts = [context.task.name, str(Settings().work_dir)]
         for name in param_names:
             value = parameters.get(name)
-            parts.append(value.model_dump(mode="json") if hasattr(value, "model_dump") else value)
+            if hasattr(value, "model_dump"):
+                value = value.model_dump(mode="json")
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                value = dataclasses.asdict(value)
+            parts.append(value)
         return content_key(*parts)
 
     return _key

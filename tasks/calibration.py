@@ -8,6 +8,7 @@ from pathlib import Path
 
 from prefect import task
 
+from infra.config import CalibrationSettings
 from infra.calibration import CalibrationSource, calibration_hash, load_calibration
 from infra.settings import Settings
 from pip_core.perturb import Perturber
@@ -26,17 +27,16 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     tmp.replace(path)
 
 
-@task(name="prepare-calibration", cache_key_fn=key_from("source_digest", "n_samples", "heldout_samples",
-                                                        "seed", "perturb_rate"),
+@task(name="prepare-calibration", cache_key_fn=key_from("settings", "seed", "source_digest"),
       persist_result=True, result_serializer="json")
-def prepare_calibration(calibration: str, wordlist: str | None, source_digest: str, n_samples: int,
-                        heldout_samples: int, seed: int, perturb_rate: float) -> CalibrationRef:
+def prepare_calibration(settings: CalibrationSettings, seed: int, source_digest: str) -> CalibrationRef:
     """Sample calibration texts, hold some out for quick perplexity, and build perturbed pairs.
 
     `source_digest` (from `CalibrationSource.digest`) keys the cache on content, so editing the
     file invalidates cached pairs even when its path is unchanged.
     """
-    source = CalibrationSource(calibration, wordlist)
+    n_samples, heldout_samples, perturb_rate = settings.n_samples, settings.heldout_samples, settings.perturb_rate
+    source = CalibrationSource(settings.source, settings.wordlist)
     dataset = load_calibration(source.path, n_samples=n_samples + heldout_samples, seed=seed)
     texts = list(dataset["text"])
     if len(texts) < n_samples + heldout_samples:

@@ -8,11 +8,10 @@ from pathlib import Path
 from prefect import task
 
 from infra.hashing import tree_digest
-from pip_core import io as core_io
 from pip_core.perplexity import perplexity
 from tasks._common import key_from
 from tasks.calibration import read_heldout
-from tasks.models import ensure_local
+from tasks.models import ensure_local, load_model
 from tasks.refs import CalibrationRef, ModelRef
 
 log = logging.getLogger(__name__)
@@ -25,7 +24,7 @@ def quick_eval(model: ModelRef, calib: CalibrationRef, max_length: int) -> dict[
     texts = read_heldout(calib)
     if not texts:
         return {}
-    net, tokenizer = core_io.load(ensure_local(model))
+    net, tokenizer = load_model(model)
     metrics = perplexity(net, tokenizer, texts, max_length=max_length)
     log.info("quick eval: perplexity %.3f on %d held-out texts", metrics["perplexity"], len(texts))
     return {"heldout_perplexity": metrics["perplexity"], "heldout_nll": metrics["nll"]}

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 
@@ -51,12 +53,61 @@ def ensure_local(ref: ModelRef, settings: Settings | None = None) -> Path:
     return local
 
 
+class ModelHandoff:
+    """The model the last task of this process loaded or produced, keyed by its content fingerprint.
+
+    The tasks of one flow run hand one model object along (score -> prune -> quick eval -> next
+    score) instead of each reading the same weights from disk again. Cache keys and S3
+    checkpoints are untouched: a task still receives a `ModelRef`, and only when the fingerprint
+    in hand matches is the object in memory used. A task that changes the model in place takes it
+    out first, so no other task can see it half-pruned.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slot: tuple[str, Any, Any] | None = None
+
+    def get(self, fingerprint: str, *, take: bool = False) -> tuple[Any, Any] | None:
+        with self._lock:
+            if self._slot is None or self._slot[0] != fingerprint:
+                return None
+            _, net, tokenizer = self._slot
+            if take:
+                self._slot = None
+            return net, tokenizer
+
+    def put(self, fingerprint: str, net: Any, tokenizer: Any) -> None:  # noqa: ANN401 - any HF model/tokenizer
+        with self._lock:
+            self._slot = (fingerprint, net, tokenizer)
+
+
+#: one per process: the flow's tasks run in the flow's process (Prefect's default thread runner)
+HANDOFF = ModelHandoff()
+
+
+def load_model(ref: ModelRef, *, for_update: bool = False) -> tuple[Any, Any]:
+    """(model, tokenizer) for `ref`: the object already in memory when its fingerprint matches, else from disk.
+
+    `for_update=True` is for tasks that modify the model in place: the in-memory copy is taken out
+    of the hand-off until the task puts back what it produced.
+    """
+    held = HANDOFF.get(ref.fingerprint, take=for_update)
+    if held is not None:
+        return held
+    net, tokenizer = core_io.load(ensure_local(ref))
+    if not for_update:
+        HANDOFF.put(ref.fingerprint, net, tokenizer)
+    return net, tokenizer
+
+
 def save_model(net, tokenizer, name: str, num_params: int) -> ModelRef:  # noqa: ANN001
-    """Save `net` under the state dir's models/<name> atomically (a .partial dir renamed into place)."""
+    """Save `net` under the state dir's models/<name> atomically and hand it on to the next task."""
     out = Settings().work_dir / "models" / name
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     core_io.save_pruned(net, tokenizer, tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    return ModelRef(local_dir=str(out), fingerprint=core_io.model_fingerprint(out), num_params=num_params)
+    ref = ModelRef(local_dir=str(out), fingerprint=core_io.model_fingerprint(out), num_params=num_params)
+    HANDOFF.put(ref.fingerprint, net, tokenizer)
+    return ref

@@ -13,7 +13,7 @@ from pip_core import io as core_io
 from pip_core import prune
 from pip_core.units import Unit
 from tasks._common import RETRIES, RETRY_DELAYS, key_from, retry_transient
-from tasks.models import ensure_local, save_model
+from tasks.models import ensure_local, load_model, save_model
 from tasks.refs import ModelRef, PrunePlan
 
 log = logging.getLogger(__name__)
@@ -22,8 +22,7 @@ log = logging.getLogger(__name__)
 @task(name="prune-step", cache_key_fn=key_from("model", "plan"), persist_result=True, result_serializer="json")
 def prune_step(model: ModelRef, plan: PrunePlan) -> ModelRef:
     """Apply `plan` to `model` and save the result as an ordinary HF directory."""
-    src = ensure_local(model)
-    net, tokenizer = core_io.load(src)
+    net, tokenizer = load_model(model, for_update=True)
     before = core_io.param_count(net)
     prune.apply(net, [Unit(**u) for u in plan.units])
     after = core_io.param_count(net)

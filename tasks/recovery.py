@@ -18,7 +18,7 @@ from pip_core import io as core_io
 from pip_core.recovery import recover_lora
 from tasks._common import content_key, key_from
 from tasks.calibration import read_heldout
-from tasks.models import ensure_local, save_model
+from tasks.models import load_model, save_model
 from tasks.refs import CalibrationRef, ModelRef
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def recover(model: ModelRef, calib: CalibrationRef, calibration: str, source_dig
     data = load_calibration(CalibrationSource(calibration).path, n_samples=settings.max_texts + len(held), seed=seed)
     texts = [t for t in data["text"] if t not in held][:settings.max_texts]
     log.info("LoRA recovery on %d calibration texts (%d held out)", len(texts), len(held))
-    net, tokenizer = core_io.load(ensure_local(model))
+    net, tokenizer = load_model(model, for_update=True)
     start = time.perf_counter()
     merged, report = recover_lora(net, tokenizer, texts, steps=settings.steps, rank=settings.rank, lr=settings.lr,
                                   batch_size=settings.batch_size, max_length=max_length, seed=seed)

@@ -7,10 +7,11 @@ concurrent flows in one process cannot log into each other's runs.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from prefect import task
 
@@ -165,3 +166,15 @@ def plot_history(history: list[dict[str, float]], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+@contextmanager
+def tracking_run(run_key: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[str]:
+    """The MLflow run of one flow run: FINISHED when the block completes, FAILED on any error or interrupt."""
+    run_id = open_tracking_run(run_key, params, tags)
+    try:
+        yield run_id
+    except BaseException:
+        close_tracking_run(run_id, "FAILED")
+        raise
+    close_tracking_run(run_id)

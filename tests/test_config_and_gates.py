@@ -25,7 +25,7 @@ def test_iterations_zero_and_unknown_unit_rejected():
 
 
 def test_block_influence_alias_and_unit_check():
-    assert CompressConfig(**BASE, method="block-influence").method == "block_influence"
+    assert CompressConfig(**BASE, method="block-influence").scoring.method == "block_influence"
     with pytest.raises(ValidationError, match="block"):
         CompressConfig(**BASE, method="block-influence", unit="mlp")
 
@@ -47,6 +47,29 @@ def test_config_file_overrides(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("model: m\ncalibration: c\nratio: 0.3\n")
     assert load_config_file(path, ratio=0.1, unit=None).ratio == 0.1
+
+
+def test_flat_and_grouped_spellings_give_the_same_config(tmp_path):
+    flat = CompressConfig(**BASE, n_samples=8, max_length=64, unit="width", iterations=3, eval_tasks="a, b")
+    grouped = CompressConfig(model="m", calibration={"source": "c.jsonl", "n_samples": 8, "max_length": 64},
+                             scoring={"unit": "width", "iterations": 3}, evaluation={"tasks": ["a", "b"]})
+    assert flat == grouped
+    assert (flat.calibration.n_samples, flat.scoring.unit, flat.evaluation.tasks) == (8, "width", ("a", "b"))
+    path = tmp_path / "job.yaml"
+    path.write_text("model: m\ncalibration: {source: c.jsonl, n_samples: 8}\nscoring: {unit: mlp, iterations: 2}\n")
+    merged = load_config_file(path, iterations=5, max_length=32, calibration="d.jsonl")
+    assert (merged.scoring.unit, merged.scoring.iterations) == ("mlp", 5)
+    assert (merged.calibration.source, merged.calibration.n_samples, merged.calibration.max_length) == ("d.jsonl", 8, 32)
+
+
+def test_run_key_ignores_where_inputs_live_but_not_what_decides_the_weights():
+    from flows.records import run_key_for
+
+    a = CompressConfig(**BASE)
+    moved = CompressConfig(model="elsewhere", calibration="other/c.jsonl", eval_tasks="x", registered_model_name="n")
+    assert run_key_for(a, "f", "c", "w") == run_key_for(moved, "f", "c", "w")
+    for changed in (dict(max_length=64), dict(unit="mlp"), dict(seed=3), dict(ratio=0.3), dict(n_samples=4)):
+        assert run_key_for(a, "f", "c", "w") != run_key_for(CompressConfig(**BASE, **changed), "f", "c", "w"), changed
 
 
 def test_recovery_is_off_by_default_keyed_and_merged_from_file_and_cli(tmp_path):

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import boto3
 import pytest
 import yaml
 

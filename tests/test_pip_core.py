@@ -150,8 +150,8 @@ def test_ratio_02_hits_target_and_round_trips(tok, trained, trained_fine_attn, t
     model = copy.deepcopy(trained_fine_attn if kind == "attn" else trained)
     biggest = max(u.num_params for u in units.discover(model, kind))
     total = units.param_count(model)
-    result = schedule.prune_iteratively(model, tok, method, kind, 0.2, 2, pairs=PAIRS, seed=0, progress=False,
-                                        protect_first=0, protect_last=0)
+    result = schedule.prune_iteratively(model, tok, schedule.ScoringOptions(method, kind, protect_first=0, protect_last=0),
+                                        0.2, 2, pairs=PAIRS, seed=0, progress=False)
     assert abs(result.achieved_ratio - 0.2) <= biggest / total
     assert result.params_after == units.param_count(model)
     io.save_pruned(model, tok, tmp_path / "m")
@@ -251,7 +251,7 @@ def test_meta_device_model_is_refused(tok):
 def test_unreachable_target_is_refused(tok):
     model = llama(tok, layers=3)
     with pytest.raises(PipCoreError, match="cannot remove"):
-        schedule.prune_iteratively(model, tok, "magnitude", "block", 0.9, 1, progress=False)
+        schedule.prune_iteratively(model, tok, schedule.ScoringOptions("magnitude", "block"), 0.9, 1, progress=False)
 
 
 def test_lora_recovery_lowers_loss_and_merges_into_a_plain_directory(tok, trained, tmp_path):
@@ -259,8 +259,8 @@ def test_lora_recovery_lowers_loss_and_merges_into_a_plain_directory(tok, traine
     from pip_core.recovery import recover_lora
 
     model = copy.deepcopy(trained)
-    schedule.prune_iteratively(model, tok, "magnitude", "width", 0.3, 1, progress=False, protect_first=0,
-                               protect_last=0)
+    schedule.prune_iteratively(model, tok, schedule.ScoringOptions("magnitude", "width", protect_first=0, protect_last=0),
+                               0.3, 1, progress=False)
     before = perplexity(model, tok, SENTENCES)["perplexity"]
     model, report = recover_lora(model, tok, SENTENCES, steps=30, batch_size=4, progress=False)
     assert perplexity(model, tok, SENTENCES)["perplexity"] < before

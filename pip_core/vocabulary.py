@@ -1,0 +1,26 @@
+"""The words every layer shares: unit kinds, scoring methods and limits, defined once.
+
+The config model, the CLI, the score-table schema and pip_core itself all read these, so a new
+method or kind is added in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+#: a structural unit that one score is given to
+UnitKind = Literal["block", "attn", "mlp"]
+#: what a user asks to prune: one unit kind, or `width` = attention groups and MLP channels together
+PruneTarget = Literal["block", "attn", "mlp", "width"]
+#: unit kinds that each prune target scores
+KINDS: dict[str, tuple[str, ...]] = {"block": ("block",), "attn": ("attn",), "mlp": ("mlp",), "width": ("attn", "mlp")}
+
+Method = Literal["pip", "random", "magnitude", "taylor", "block_influence"]
+METHODS: tuple[str, ...] = get_args(Method)
+#: CLI spellings accepted for methods (the design card writes "block-influence")
+METHOD_ALIASES = {"block-influence": "block_influence"}
+#: methods that score whole blocks only
+BLOCK_ONLY_METHODS = frozenset({"block_influence"})
+
+#: the largest fraction of parameters a run may remove
+MAX_RATIO = 0.9
