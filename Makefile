@@ -7,7 +7,7 @@ REF_TINY := $(STATE)/reference/tiny
 DEMO_UNIT ?= block
 DEMO_METHOD ?= pip
 
-.PHONY: install data demo test stack-down clean-state bench peer-venv bench-peer
+.PHONY: install data lint demo test stack-down clean-state bench peer-venv bench-peer
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,7 +31,10 @@ demo: install data
 	$(BIN)/pipprune compress --model $(REF_TINY) --ratio 0.2 --unit $(DEMO_UNIT) --method $(DEMO_METHOD) \
 		--iterations 2 --out $(STATE)/demo-out
 
-test: install data
+lint: install
+	$(BIN)/ruff check .
+
+test: install data lint
 	$(BIN)/python -m pytest -q -x --timeout=900
 
 stack-down:

@@ -6,9 +6,10 @@ from pathlib import Path
 
 from infra.config import CompressConfig
 from flows.compress import compress_flow
+from flows.deployments import COMPRESS
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
-ENTRYPOINT = "flows/compress.py:compress_flow"
+ENTRYPOINT = COMPRESS.entrypoint
 
 
 def _parameters(config: CompressConfig, out_dir: str | None) -> dict:

@@ -120,6 +120,30 @@ def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, monkeyp
     assert version.run_id == summary.mlflow_run_id
 
 
+def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, tiny_reference_dir):
+    """The benchmarks' loop (pip_core.schedule.prune_iteratively) is the product's loop: same units, step by step."""
+    from pip_core import io as core_io
+    from pip_core import schedule
+
+    summary, _ = first_run
+    config = _config(tiny_reference_dir)
+    bucket = os.environ.get("PIPPRUNE_S3_BUCKET", "pipprune")
+    flow_units = []
+    for i in (1, 2):
+        body = s3_of(stack_env).get_object(Bucket=bucket, Key=f"runs/{summary.run_key}/iter-{i}/manifest.json")["Body"]
+        flow_units.append([(u["kind"], u["layer"], u["index"]) for u in json.loads(body.read())["metadata"]["units_removed"]])
+    [pairs_file] = Path(stack_env["PIPPRUNE_HOME"], "work", "calibration").rglob("pairs.jsonl")
+    pairs = [(row["original"], row["perturbed"]) for row in map(json.loads, pairs_file.read_text().splitlines())]
+    model, tokenizer = core_io.load(tiny_reference_dir)
+    options = schedule.ScoringOptions(config.scoring.method, config.scoring.unit, config.calibration.max_length,
+                                      config.scoring.protect_first, config.scoring.protect_last)
+    result = schedule.prune_iteratively(model, tokenizer, options, config.ratio, config.scoring.iterations,
+                                        pairs=pairs, seed=config.seed, progress=False)
+    loop_units = [[(u.kind, u.layer, u.index) for u in step.removed] for step in result.steps]
+    assert loop_units == flow_units
+    assert result.params_after == summary.params_after
+
+
 def test_identical_rerun_is_served_without_gradient_collection(first_run, stack_env, tiny_reference_dir,
                                                                monkeypatch):
     _apply(stack_env, monkeypatch)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -130,6 +131,8 @@ def test_schedule_deployment_runs_on_a_process_worker(env, tiny_reference_dir, t
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from flows.deployments import COMPRESS
+
     async def read_deployment():
         async with get_client() as client:
             return await client.read_deployment_by_name("compress/nightly")
@@ -137,19 +140,60 @@ def test_schedule_deployment_runs_on_a_process_worker(env, tiny_reference_dir, t
     with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
         deployment = asyncio.run(read_deployment())
         assert [s.schedule.cron for s in deployment.schedules] == ["0 3 * * *"]
+        assert deployment.entrypoint == COMPRESS.entrypoint
         flow_run = run_deployment("compress/nightly", timeout=0)
-        worker = subprocess.Popen([*prefect, "worker", "start", "--pool", "test-pool", "--run-once"], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            out, _ = worker.communicate(timeout=600)
-        finally:
-            worker.kill()
+    final, out = run_on_worker_once(env, "test-pool", flow_run.id)
+    assert final.is_completed(), out[-3000:]
 
-        async def state():
-            async with get_client() as client:
-                return (await client.read_flow_run(flow_run.id)).state
 
+def run_on_worker_once(env: dict[str, str], pool: str, flow_run_id) -> tuple:  # noqa: ANN001 - a UUID
+    """Start a `process` worker for one flow run of `pool`; returns the run's final state and the worker's output."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--run-once"],
+                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = worker.communicate(timeout=600)
+    finally:
+        worker.kill()
+
+    async def state():
+        async with get_client() as client:
+            return (await client.read_flow_run(flow_run_id)).state
+
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
         deadline = time.time() + 60
         while not (final := asyncio.run(state())).is_final() and time.time() < deadline:
             time.sleep(1)
+    return final, out
+
+
+def test_prefect_yaml_is_current_deploys_and_runs_on_a_process_worker(env, tiny_reference_dir):
+    from flows.deployments import WORK_POOL, render_prefect_yaml
+
+    assert (ROOT / "prefect.yaml").read_text() == render_prefect_yaml(), "run: python -m flows.deployments > prefect.yaml"
+    if env["PIPPRUNE_S3_BUCKET"] not in [b["Name"] for b in s3_of(env).list_buckets()["Buckets"]]:
+        s3_of(env).create_bucket(Bucket=env["PIPPRUNE_S3_BUCKET"])
+    prefect = [sys.executable, "-m", "prefect"]
+    made = subprocess.run([*prefect, "work-pool", "create", WORK_POOL, "--type", "process"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0 or "already exists" in made.stdout + made.stderr, made.stdout + made.stderr
+    deployed = subprocess.run([*prefect, "--no-prompt", "deploy", "--all"], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+    params = {"config": {"model": str(tiny_reference_dir), "ratio": 0.1, "registered_model_name": "tiny-deployed",
+                         "calibration": {"source": str(tiny_reference_dir), "n_samples": 4, "heldout_samples": 2},
+                         "scoring": {"unit": "block", "method": "magnitude", "iterations": 1}}}
+    started = subprocess.run([*prefect, "deployment", "run", "compress/compress", "--params", json.dumps(params)],
+                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout + started.stderr
+    flow_run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", started.stdout).group(1)
+    final, out = run_on_worker_once(env, WORK_POOL, flow_run_id)
     assert final.is_completed(), out[-3000:]
+    from mlflow import MlflowClient
+
+    versions = MlflowClient(env["MLFLOW_TRACKING_URI"]).search_model_versions("name = 'tiny-deployed'")
+    assert [v.tags["pipprune.prefect_flow_run_id"] for v in versions] == [flow_run_id]
