@@ -63,8 +63,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None) -> Compres
         pre_recovery = records.heldout(history[-1]) if config.recovery.enabled else None
         model = _recovery_stage(config, run_key, run_id, lineage, model, calib, source_digest, done, history)
         ev, content = config.evaluation, tasks_digest(config.evaluation.include_path)
+        final_eval = evaluate(model, ev.tasks, ev.include_path, content, ev.limit)  # while it is in memory
         source_eval = evaluate(source.model, ev.tasks, ev.include_path, content, ev.limit)
-        final_eval = evaluate(model, ev.tasks, ev.include_path, content, ev.limit)
         after = records.heldout(history[-1])
         version = register_model(config.registered_model_name, model.s3_uri, run_id,
                                  records.version_tags(config, lineage, model, run_id))

@@ -17,8 +17,12 @@ _SKIP_SUFFIX = "_stderr"
 
 
 def run_lmeval(model_dir: Path, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
-               batch_size: int = 8, device: str | None = None) -> dict[str, dict[str, float]]:
-    """Evaluate `tasks` on the model in `model_dir`; returns {task: {metric: value}}."""
+               batch_size: int = 8, device: str | None = None,
+               loaded: tuple | None = None) -> dict[str, dict[str, float]]:
+    """Evaluate `tasks` on the model in `model_dir`; returns {task: {metric: value}}.
+
+    `loaded` is that directory's (model, tokenizer) when the caller already holds them in memory.
+    """
     import torch
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -33,7 +37,7 @@ def run_lmeval(model_dir: Path, tasks: list[str], include_path: Path | None = No
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ValueError(f"unknown lm-eval task(s) {unknown}" + (f" in {include_path}" if include_path else ""))
-    model, tokenizer = core_io.load(model_dir, device_map=device if device != "cpu" else None)
+    model, tokenizer = loaded or core_io.load(model_dir, device_map=device if device != "cpu" else None)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, device=device)
     results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, bootstrap_iters=0,
                               log_samples=False, verbosity="WARNING")

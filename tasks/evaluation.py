@@ -45,6 +45,6 @@ def evaluate(model: ModelRef, tasks: tuple[str, ...], include_path: str | None, 
     if not tasks:
         return {}
     results = run_lmeval(ensure_local(model), list(tasks), include_path=Path(include_path) if include_path else None,
-                         limit=limit)
+                         limit=limit, loaded=load_model(model))
     log.info("evaluate: %s", results)
     return results

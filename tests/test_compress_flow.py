@@ -78,18 +78,28 @@ def _task_run_names(flow_run_id: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def first_run(stack_env, tiny_reference_dir):
+    from pip_core import io as core_io
+
     mp = pytest.MonkeyPatch()
     _apply(stack_env, mp)
+    loads: list[str] = []
+    real_load = core_io.load
+    mp.setattr(core_io, "load", lambda path, *a, **k: loads.append(str(path)) or real_load(path, *a, **k))
     started = time.perf_counter()
     summary = _run_flow(stack_env, _config(tiny_reference_dir))
     elapsed = time.perf_counter() - started
-    yield summary, elapsed
+    mp.setattr(core_io, "load", real_load)
+    yield summary, elapsed, loads
     mp.undo()
 
 
-def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, monkeypatch):
+def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, tiny_reference_dir, monkeypatch):
     _apply(stack_env, monkeypatch)
-    summary, _ = first_run
+    summary, _, loads = first_run
+    # one model handed from task to task: the source is read from disk for its quick eval (scoring, pruning,
+    # the quick evals of both steps and the final model's lm-eval reuse the object in memory) and once more
+    # for its own lm-eval after pruning consumed the first copy
+    assert loads == [str(tiny_reference_dir)] * 2, loads
     assert abs(summary.achieved_ratio - 0.2) < 0.05
     assert summary.params_after < summary.params_before
 
@@ -125,7 +135,7 @@ def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, 
     from pip_core import io as core_io
     from pip_core import schedule
 
-    summary, _ = first_run
+    summary, *_ = first_run
     config = _config(tiny_reference_dir)
     bucket = os.environ.get("PIPPRUNE_S3_BUCKET", "pipprune")
     flow_units = []
@@ -147,7 +157,7 @@ def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, 
 def test_identical_rerun_is_served_without_gradient_collection(first_run, stack_env, tiny_reference_dir,
                                                                monkeypatch):
     _apply(stack_env, monkeypatch)
-    summary, first_elapsed = first_run
+    summary, first_elapsed, _ = first_run
     started = time.perf_counter()
     again = _run_flow(stack_env, _config(tiny_reference_dir))
     elapsed = time.perf_counter() - started
