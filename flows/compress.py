@@ -17,6 +17,8 @@ from flows import records
 from flows.records import CompressSummary
 from infra.calibration import CalibrationSource
 from infra.config import CompressConfig
+from infra.locks import run_lock
+from infra.settings import Settings
 from pip_core.schedule import plan, step_spec
 from tasks.calibration import prepare_calibration
 from tasks.evaluation import evaluate, quick_eval, tasks_digest
@@ -45,7 +47,7 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None) -> Compres
     run_key = records.run_key_for(config, source.model.fingerprint, calib.data_hash, calib.wordlist_hash)
     lineage = records.lineage_tags(config, run_key, source, calib, str(flow_run.id))
     max_length, total = config.calibration.max_length, source.model.num_params
-    with tracking_run(run_key, records.run_params(config, calib), lineage) as run_id:
+    with run_lock(Settings(), run_key), tracking_run(run_key, records.run_params(config, calib), lineage) as run_id:
         # 2. prune in re-scored steps; each is checkpointed to S3, and a rerun resumes after the last one
         before, done = quick_eval(source.model, calib, max_length), find_resume_point(run_key)
         model, history = records.resumed_history(source.model, before, done[:config.scoring.iterations])

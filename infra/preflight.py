@@ -68,9 +68,11 @@ def check_services(settings: Settings) -> None:
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if status == 404:
             raise PreflightError(f"S3 bucket {settings.s3_bucket!r} does not exist at {where}") from exc
-        if status in (401, 403):
-            raise PreflightError(f"access denied to S3 bucket {settings.s3_bucket!r} at {where}: "
-                                 "check the AWS credentials") from exc
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch") or status in (401, 403):
+            raise PreflightError(f"S3 refused the credentials for {where}: {code or status} "
+                                 "(check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY; the embedded stack's keys are in "
+                                 f"{settings.stack_dir / 'credentials.json'})") from exc
         raise PreflightError(f"S3 bucket {settings.s3_bucket!r} at {where}: {exc}") from exc
     except (bce.EndpointConnectionError, bce.ConnectTimeoutError) as exc:
         raise PreflightError(f"cannot reach S3 at {where}: {exc}") from exc

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -20,6 +21,7 @@ from typing import Any
 import boto3
 from botocore.config import Config
 
+from infra.credentials import load_credentials
 from infra.hashing import sha256_bytes, sha256_dir, sha256_file
 from infra.settings import Settings
 
@@ -47,10 +49,25 @@ class CheckpointRef:
 
 
 def s3_client(settings: Settings):  # noqa: ANN201
-    """boto3 client with bounded, backed-off retries; credentials from the standard AWS chain."""
+    """boto3 client with bounded, backed-off retries.
+
+    Credentials come from the standard AWS chain; for the embedded stack's own endpoint, when the
+    environment names no key, from the install's 0600 credentials file (so the exports that
+    `stack up` prints are enough to use it).
+    """
     config = Config(retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"},
                     connect_timeout=5, read_timeout=60, s3={"addressing_style": "path"})
-    return boto3.client("s3", endpoint_url=settings.s3_endpoint_url, region_name=settings.s3_region, config=config)
+    keys = {}
+    if not os.environ.get("AWS_ACCESS_KEY_ID") and settings.s3_endpoint_url == embedded_s3_url(settings):
+        stored = load_credentials(settings.stack_dir)
+        if stored is not None:
+            keys = {"aws_access_key_id": stored.access_key_id, "aws_secret_access_key": stored.secret_access_key}
+    return boto3.client("s3", endpoint_url=settings.s3_endpoint_url, region_name=settings.s3_region, config=config,
+                        **keys)
+
+
+def embedded_s3_url(settings: Settings) -> str:
+    return f"http://127.0.0.1:{settings.s3_port}"
 
 
 def split_uri(uri: str) -> tuple[str, str]:

@@ -1,5 +1,6 @@
 """Settings from the environment (prefix PIPPRUNE_). No secrets live here: S3 credentials come from
-the standard AWS chain, so nothing that logs settings can leak them.
+the standard AWS chain (or, for the embedded stack, its 0600 credentials file), so nothing that
+logs settings can leak them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ class Settings(BaseSettings):
     mlflow_tracking_uri: str | None = None
     prefect_api_url: str | None = None
     s3_port: int = Field(9310, ge=1, le=65535)
+    s3_aux_port_base: int = Field(19310, ge=1, le=65535 - 16,
+                                  description="first of 11 consecutive ports the embedded S3 server (SeaweedFS) "
+                                              "opens besides S3: master, volume, filer, admin, gRPC")
     mlflow_port: int = Field(5310, ge=1, le=65535)
     prefect_port: int = Field(4310, ge=1, le=65535)
     registered_model_name: str = "pipprune-model"

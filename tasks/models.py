@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -103,11 +104,16 @@ def load_model(ref: ModelRef, *, for_update: bool = False) -> tuple[Any, Any]:
 def save_model(net, tokenizer, name: str, num_params: int) -> ModelRef:  # noqa: ANN001
     """Save `net` under the state dir's models/<name> atomically and hand it on to the next task."""
     out = Settings().work_dir / "models" / name
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{name}.partial-", dir=out.parent))  # this call's own
     core_io.save_pruned(net, tokenizer, tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    ref = ModelRef(local_dir=str(out), fingerprint=core_io.model_fingerprint(out), num_params=num_params)
+    fingerprint = core_io.model_fingerprint(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # already there: names are content-addressed, so another run wrote these same weights
+        shutil.rmtree(tmp, ignore_errors=True)
+        if core_io.model_fingerprint(out) != fingerprint:
+            raise RuntimeError(f"{out} holds other weights than its content-addressed name says") from None
+    ref = ModelRef(local_dir=str(out), fingerprint=fingerprint, num_params=num_params)
     HANDOFF.put(ref.fingerprint, net, tokenizer)
     return ref

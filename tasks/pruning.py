@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tempfile
 from pathlib import Path
 
 from prefect import task
@@ -47,8 +48,8 @@ def checkpoint(run_key: str, iteration: int, model: ModelRef, score_table: str |
     settings = Settings()
     store = CheckpointStore.from_settings(settings, run_key)
     local = ensure_local(model, settings)
-    stage = Path(model.local_dir).with_name(Path(model.local_dir).name + f".ckpt-{iteration}")
-    shutil.rmtree(stage, ignore_errors=True)
+    # a staging dir of this call alone: two runs checkpointing the same model never share it
+    stage = Path(tempfile.mkdtemp(prefix=f"{Path(model.local_dir).name}.ckpt-{iteration}-", dir=local.parent))
     shutil.copytree(local, stage / CHECKPOINT_MODEL_SUBDIR)
     if score_table is not None:
         shutil.copy2(score_table, stage / "score_table.csv")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, free_port, free_port_range
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -42,15 +42,21 @@ def tiny_reference_dir() -> Path:
     return out
 
 
+def stack_settings(home: Path):  # noqa: ANN201 - infra.settings.Settings, imported lazily
+    """Settings of an embedded stack in `home` on free loopback ports (S3 and the block SeaweedFS adds)."""
+    from infra.settings import Settings
+
+    return Settings(home=home, s3_port=free_port(), s3_aux_port_base=free_port_range(12), mlflow_port=free_port(),
+                    prefect_port=free_port(), s3_endpoint_url=None, mlflow_tracking_uri=None, prefect_api_url=None)
+
+
 @pytest.fixture(scope="session")
 def local_stack(tmp_path_factory):
-    """Yields (stack, settings): real S3, MLflow and Prefect servers on free 127.0.0.1 ports, fresh state."""
-    from infra.settings import Settings
+    """Yields (stack, settings): real S3 (SeaweedFS), MLflow and Prefect servers on free 127.0.0.1 ports, fresh state."""
     from infra.stack import LocalStack
 
     home = tmp_path_factory.mktemp("stack-home")
-    settings = Settings(home=home, s3_port=free_port(), mlflow_port=free_port(), prefect_port=free_port(),
-                        s3_endpoint_url=None, mlflow_tracking_uri=None, prefect_api_url=None)
+    settings = stack_settings(home)
     stack = LocalStack(settings)
     try:
         stack.up(wait=True, timeout=240)

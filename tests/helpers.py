@@ -19,6 +19,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(count: int) -> int:
+    """The first of `count` consecutive free ports on 127.0.0.1 (the embedded S3 server pins a block of them)."""
+    for _ in range(200):
+        base = free_port()
+        if base + count < 65535 and all(_free(base + i) for i in range(count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def s3_of(env: dict[str, str]):  # noqa: ANN201 - boto3 clients are untyped
     """A boto3 S3 client with the credentials and endpoint of a client environment of the test stack."""
     return boto3.client("s3", endpoint_url=env["PIPPRUNE_S3_ENDPOINT_URL"], region_name="us-east-1",

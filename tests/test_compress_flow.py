@@ -1,4 +1,4 @@
-"""The compress pipeline end to end against the real local stack (moto S3, MLflow and Prefect servers).
+"""The compress pipeline end to end against the real local stack (SeaweedFS S3, MLflow and Prefect servers).
 
 One full run on the tiny reference model, then: the identical rerun is served without gradient
 collection, a run killed with SIGKILL mid-iteration resumes and ends identical, and an S3

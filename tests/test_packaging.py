@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -20,8 +21,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.stack]
 def wheel_venv(tmp_path_factory) -> Path:
     """A fresh venv holding only the pipprune wheel; its dependencies come from the test venv (a .pth line)."""
     work = tmp_path_factory.mktemp("wheel")
+    source = work / "source"  # a copy: the build must not leave a build/ dir in the checkout
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", ".pipprune", "build", "dist",
+                                                                "__pycache__", "*.egg-info"))
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
-                            str(work / "dist"), str(ROOT)], capture_output=True, text=True, timeout=600)
+                            str(work / "dist"), str(source)], capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     [wheel] = (work / "dist").glob("pipprune-*.whl")
     venv = work / "venv"

@@ -17,8 +17,6 @@ from tests.helpers import FlakyS3Proxy, cli, s3_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 ROOT = Path(__file__).resolve().parents[1]
-SECRET_ID = "AKIAPIPPRUNETESTKEY1"
-SECRET_KEY = "Zq8/SecretTestKeyThatMustNeverLeak+Xyz12"
 
 
 @pytest.fixture(scope="module")
@@ -151,44 +149,66 @@ def test_checkpoints_are_safetensors_and_foreign_code_never_runs(tiny_reference_
         core_io.load(pickled)
 
 
-def test_two_runs_at_once_do_not_clobber_and_never_leak_credentials(env, tiny_reference_dir, tmp_path):
-    """Two runs share the stack at once; both use recognisable secret credentials that must appear nowhere."""
+def test_three_runs_at_once_two_identical_all_register_and_never_leak_credentials(env, local_stack,
+                                                                                 tiny_reference_dir, tmp_path):
+    """Three runs on one stack and one state dir, two of them identical (a retried schedule): the identical pair
+    takes turns on its run key, every run registers, lineage verifies every version, and the stack's S3 keys
+    appear in no output, MLflow param or tag, Prefect parameter or log, manifest or state file."""
+    stack, _ = local_stack
+    keys = stack.credentials()
     s3_of(env).create_bucket(Bucket="concurrent")
-    procs = []
-    for seed in (11, 12):
-        run_env = {**env, "PIPPRUNE_S3_BUCKET": "concurrent", "PIPPRUNE_HOME": str(tmp_path / f"h{seed}"),
-                   "AWS_ACCESS_KEY_ID": SECRET_ID, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "pipprune.cli", *compress_args(tiny_reference_dir, "rel-concurrent", "--seed",
-                                                                 str(seed))],
-            env=run_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    run_env = {**env, "PIPPRUNE_S3_BUCKET": "concurrent", "PIPPRUNE_HOME": str(tmp_path / "shared")}
+    procs = [subprocess.Popen([sys.executable, "-m", "pipprune.cli",
+                               *compress_args(tiny_reference_dir, "rel-concurrent", "--seed", str(seed))],
+                              env=run_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for seed in (11, 11, 12)]
     summaries, texts = [], []
     for proc in procs:
         out, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, out[-2000:] + err[-2000:]
         summaries.append(json.loads(out[out.index("{"):]))
         texts += [out, err]
-    assert summaries[0]["run_key"] != summaries[1]["run_key"]
-    assert summaries[0]["model_version"] != summaries[1]["model_version"]
+    assert summaries[0]["run_key"] == summaries[1]["run_key"] != summaries[2]["run_key"]
+    assert len({s["model_version"] for s in summaries}) == 3
+    assert summaries[0]["s3_uri"] == summaries[1]["s3_uri"]  # the second reused the first's checkpoints
     from mlflow import MlflowClient
 
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    lineage = cli({**env, "PIPPRUNE_S3_BUCKET": "concurrent", "AWS_ACCESS_KEY_ID": SECRET_ID,
-                   "AWS_SECRET_ACCESS_KEY": SECRET_KEY}, "lineage", "rel-concurrent", "--json")
-    assert lineage.returncode == 0, lineage.stdout + lineage.stderr
-    texts += [lineage.stdout, lineage.stderr]
     for summary in summaries:
+        lineage = cli(run_env, "lineage", "rel-concurrent", "--version", summary["model_version"], "--json")
+        assert lineage.returncode == 0, lineage.stdout + lineage.stderr
+        texts += [lineage.stdout, lineage.stderr]
         version = client.get_model_version("rel-concurrent", summary["model_version"])
         assert version.tags["pipprune.run_key"] == summary["run_key"]
-        assert version.source == summary["s3_uri"]
         manifest = json.loads(s3_of(env).get_object(
             Bucket="concurrent", Key=f"runs/{summary['run_key']}/iter-2/manifest.json")["Body"].read())
-        assert manifest["run_key"] == summary["run_key"]
         run = client.get_run(summary["mlflow_run_id"])
         texts += [json.dumps(run.data.params), json.dumps(run.data.tags), json.dumps(dict(version.tags)),
-                  json.dumps(manifest)]
+                  json.dumps(manifest), *_prefect_params_and_logs(env, version.tags["pipprune.prefect_flow_run_id"])]
+    status = cli(env, "stack", "status", "--json")
+    texts += [status.stdout, status.stderr, cli(env, "stack", "status").stdout]
     for path in tmp_path.rglob("*"):
         if path.is_file() and path.stat().st_size < 5_000_000:
             texts.append(path.read_bytes().decode("latin-1"))
+    assert len(texts) > 20
     for text in texts:
-        assert SECRET_ID not in text and SECRET_KEY not in text
+        assert keys.access_key_id not in text and keys.secret_access_key not in text
+
+
+def _prefect_params_and_logs(env: dict[str, str], flow_run_id: str) -> list[str]:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    async def read() -> list[str]:
+        async with get_client() as client:
+            run = await client.read_flow_run(flow_run_id)
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+            return [json.dumps(run.parameters, default=str), *(entry.message for entry in logs)]
+
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        found = asyncio.run(read())
+    assert len(found) > 1, "no Prefect logs read back"
+    return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import typer
 
@@ -26,26 +27,29 @@ def _print(statuses, as_json: bool) -> None:  # noqa: ANN001
         return
     for s in statuses:
         mark = typer.style("up  ", fg=typer.colors.GREEN) if s.up else typer.style("down", fg=typer.colors.RED)
-        typer.echo(f"{mark} {s.name:8s} {s.url:32s} pid={s.pid or '-'}  log={s.log}")
+        typer.echo(f"{mark} {s.name:8s} {s.url:30s} port={s.port:<6d} pid={s.pid or '-':<8} rss={s.rss_mb:7.1f} MB  "
+                   f"data={s.data_dir}" + (f"  ({s.detail})" if s.detail and not s.up else ""))
+    typer.echo(f"total rss={sum(s.rss_mb for s in statuses):.1f} MB")
 
 
 @app.command()
 def up(json_out: bool = typer.Option(False, "--json")) -> None:
-    """Start (or reuse) the S3, MLflow and Prefect servers and wait until they are healthy."""
+    """Start (or restart) the S3, MLflow and Prefect servers on their data and wait until they are healthy."""
     from infra.stack import StackError
 
     stack = _stack()
+    started = time.monotonic()
     try:
         statuses = stack.up(wait=True)
     except StackError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(3) from exc
     _print(statuses, json_out)
     if not json_out:
-        typer.echo("client environment:")
-        for key, value in stack.client_env().items():
-            if not key.startswith("AWS_"):
-                typer.echo(f"  export {key}={value}")
+        typer.echo(f"healthy in {time.monotonic() - started:.1f} s; client environment "
+                   f"(S3 keys stay in {stack.dir / 'credentials.json'}, mode 0600):")
+        for key, value in stack.public_env().items():
+            typer.echo(f"  export {key}={value}")
 
 
 @app.command()
