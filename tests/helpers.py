@@ -96,8 +96,8 @@ class FlakyS3Proxy:
                     return
                 proxy.forwarded += 1
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-                headers["Host"] = target.netloc
+                # the Host header stays the proxy's: SigV4 signed it, and SeaweedFS checks signatures
+                headers = dict(self.headers.items())
                 conn.request(self.command, self.path, body=body, headers=headers)
                 response = conn.getresponse()
                 data = response.read()
