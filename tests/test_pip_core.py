@@ -198,7 +198,6 @@ def test_lean_pip_equals_naive_two_backward_reference(tok, trained):
     found = units.discover(model, "width")
     fast = importance.score(model, "pip", found, tokenizer=tok, pairs=PAIRS, progress=False)
     naive = torch.zeros(len(found), dtype=torch.float64)
-    layers = model.model.layers
     names = {id(p): n for n, p in model.named_parameters()}
     for original, perturbed in PAIRS:
         grads = []
@@ -209,7 +208,7 @@ def test_lean_pip_equals_naive_two_backward_reference(tok, trained):
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         for row, unit in enumerate(found):
             sq = 0.0
-            for tensor, dim, sl in units.unit_slices(layers[unit.layer], unit):
+            for tensor, dim, sl in units.unit_slices(model, unit):
                 d = grads[0][names[id(tensor)]] - grads[1][names[id(tensor)]]
                 d = d[sl] if dim == 0 else d[:, sl]
                 sq += float(d.double().pow(2).sum())
