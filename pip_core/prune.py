@@ -16,6 +16,7 @@ from pip_core.errors import PruneError
 from pip_core import families
 from pip_core.families import Family
 from pip_core.units import Unit, check_supported, family_of, layer_shape, param_count
+from pip_core.vocabulary import WIDTH_MODES
 
 
 @dataclass
@@ -27,10 +28,6 @@ class PruneReport:
     @property
     def params_removed(self) -> int:
         return self.params_before - self.params_after
-
-
-#: how width units are cut: the same count in every layer (stock config), or each layer its own
-WIDTH_MODES = ("uniform", "per_layer")
 
 
 def select(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target_params: int,
