@@ -13,8 +13,8 @@ This file is copied beside the weights of per-layer-pruned models (imported by
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -197,8 +197,7 @@ def unit_params(layer: nn.Module, family: Family, kind: str) -> int:
     n = shape.units(kind)
     total = 0
     for slot in family.slots(kind):
-        for tensor, dim in slot_tensors(layer, slot):
-            total += tensor.numel() // n
+        total += sum(tensor.numel() // n for tensor, _ in slot_tensors(layer, slot))
     return total
 
 

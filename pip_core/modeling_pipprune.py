@@ -52,7 +52,7 @@ def _model_class(family: Family, config_cls: type) -> type:
         def __init__(self, config) -> None:  # noqa: ANN001
             super().__init__(config)
             if config.layer_widths is not None:
-                for layer, w in zip(decoder_layers(self, family), config.layer_widths):
+                for layer, w in zip(decoder_layers(self, family), config.layer_widths, strict=True):
                     resize(layer, family, int(w["num_key_value_heads"]), int(w["intermediate_size"]))
 
     return _name(Model, "Pippruned" + family.model_class)

@@ -6,14 +6,14 @@ No masks: the pruned model is smaller and faster, and saves as ordinary weights.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from torch import nn
 
-from pip_core.errors import PruneError
 from pip_core import families
+from pip_core.errors import PruneError
 from pip_core.families import Family
 from pip_core.units import Unit, check_supported, family_of, layer_shape, param_count
 from pip_core.vocabulary import WIDTH_MODES
@@ -55,7 +55,7 @@ def select(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target
     for u in units:
         per_layer_count[(u.kind, u.layer)] += 1
     candidates: dict[str, list[tuple[float, Unit]]] = defaultdict(list)
-    for u, s in zip(units, scores):
+    for u, s in zip(units, scores, strict=True):
         if u.layer not in protected:
             candidates[u.kind].append((s, u))
     prunable = {k: sum(u.num_params for _, u in v) for k, v in candidates.items()}
@@ -106,7 +106,7 @@ def select_uniform(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor
     """
     scores = _as_floats(scores, units)
     by_layer: dict[str, dict[int, list[tuple[float, Unit]]]] = defaultdict(lambda: defaultdict(list))
-    for u, s in zip(units, scores):
+    for u, s in zip(units, scores, strict=True):
         by_layer[u.kind][u.layer].append((s, u))
     step: dict[str, int] = {}  # parameters removed by cutting one unit of that kind in every layer
     limit: dict[str, int] = {}

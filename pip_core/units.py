@@ -21,8 +21,8 @@ from pip_core.vocabulary import KINDS, UnitKind
 #: model_type values pipprune prunes (stock rows, and their per-layer-pruned `pipprune_` types)
 SUPPORTED_MODEL_TYPES = tuple(families.FAMILIES) + tuple(families.PRUNED_PREFIX + t for t in families.FAMILIES)
 
-__all__ = ["Unit", "UnitKind", "LayerShape", "KINDS", "SUPPORTED_MODEL_TYPES", "family_of", "check_supported", "check_layout",
-           "decoder_layers", "layer_shape", "discover", "param_count", "unit_tensors", "unit_slices"]
+__all__ = ["Unit", "UnitKind", "LayerShape", "KINDS", "SUPPORTED_MODEL_TYPES", "family_of", "check_supported",
+           "check_layout", "decoder_layers", "layer_shape", "discover", "param_count", "unit_tensors", "unit_slices"]
 
 
 @dataclass(frozen=True)

@@ -191,14 +191,14 @@ def test_untouched_unit_scores_do_not_change_when_another_is_removed(model_type)
     """Weight-local (magnitude) scores: removing units must move exactly the right rows and columns."""
     model = tiny_family_model(model_type, 300, seed=3)
     before = units.discover(model, "width")
-    scores = dict(zip(before, importance.score(model, "magnitude", before).tolist()))
+    scores = dict(zip(before, importance.score(model, "magnitude", before).tolist(), strict=True))
     drop = [u for u in before if (u.kind, u.layer, u.index) in {("attn", 1, 0), ("mlp", 2, 5), ("mlp", 2, 6)}]
     prune.apply(model, drop)
     after = units.discover(model, "width")
     rescored = importance.score(model, "magnitude", after).tolist()
     survivors = [u for u in before if u not in drop]
     assert len(after) == len(survivors)
-    for old, new, value in zip(survivors, after, rescored):
+    for old, new, value in zip(survivors, after, rescored, strict=True):
         assert (old.kind, old.layer) == (new.kind, new.layer)
         assert value == pytest.approx(scores[old], rel=1e-6, abs=0)  # float32 sums
 
@@ -209,8 +209,8 @@ def test_uniform_selection_cuts_each_layer_by_its_own_scores():
     chosen = prune.select(found, scores, 60, width_mode="uniform")
     assert len(chosen) == 6 and {u.layer for u in chosen} == {0, 1, 2}
     for layer in range(3):
-        mine = [s for u, s in zip(found, scores) if u.layer == layer]
-        cut = sorted(s for u, s in zip(found, scores) if u in chosen and u.layer == layer)
+        mine = [s for u, s in zip(found, scores, strict=True) if u.layer == layer]
+        cut = sorted(s for u, s in zip(found, scores, strict=True) if u in chosen and u.layer == layer)
         assert cut == sorted(mine)[:2]
     with pytest.raises(PruneError, match="width mode"):
         prune.select(found, scores, 60, width_mode="sideways")

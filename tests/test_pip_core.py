@@ -150,9 +150,8 @@ def test_ratio_02_hits_target_and_round_trips(tok, trained, trained_fine_attn, t
     model = copy.deepcopy(trained_fine_attn if kind == "attn" else trained)
     biggest = max(u.num_params for u in units.discover(model, kind))
     total = units.param_count(model)
-    result = schedule.prune_iteratively(model, tok, schedule.ScoringOptions(method, kind, protect_first=0, protect_last=0,
-                                                                                width_mode="per_layer"),
-                                        0.2, 2, pairs=PAIRS, seed=0, progress=False)
+    options = schedule.ScoringOptions(method, kind, protect_first=0, protect_last=0, width_mode="per_layer")
+    result = schedule.prune_iteratively(model, tok, options, 0.2, 2, pairs=PAIRS, seed=0, progress=False)
     assert abs(result.achieved_ratio - 0.2) <= biggest / total
     assert result.params_after == units.param_count(model)
     io.save_pruned(model, tok, tmp_path / "m")
