@@ -103,6 +103,32 @@ def check_loadable(model_dir: str | Path) -> dict:
     return config
 
 
+def check_weights(model_dir: str | Path, config: dict) -> None:
+    """Refuse, from the safetensors headers alone, weights that do not fit the layout `config` describes.
+
+    Loading would otherwise give missing tensors fresh random values and prune those: a checkpoint
+    with renamed or reshaped layer weights is an unknown layer layout, named here.
+    """
+    from safetensors import safe_open
+
+    from pip_core.memory_plan import meta_model
+
+    expected = {n: tuple(p.shape) for n, p in meta_model(config).named_parameters()}  # tied ones once
+    stored: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as fh:
+            stored.update({name: tuple(fh.get_slice(name).get_shape()) for name in fh.keys()})
+    missing = sorted(set(expected) - set(stored))
+    wrong = sorted(n for n in set(expected) & set(stored) if expected[n] != stored[n])
+    if missing or wrong:
+        detail = (f"missing {missing[:3]}" if missing else "") + \
+            (f"{'; ' if missing else ''}shape of {wrong[0]} is {stored[wrong[0]]}, the config implies "
+             f"{expected[wrong[0]]}" if wrong else "")
+        raise UnsupportedArchitectureError(
+            f"unknown layer layout in {model_dir}: the weights do not match the {config.get('model_type')} layout "
+            f"({detail}{', ...' if len(missing) + len(wrong) > 3 else ''})")
+
+
 def check_tokenizer(model_dir: str | Path) -> None:
     """Refuse a directory without tokenizer files before any work starts."""
     names = {"tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"}

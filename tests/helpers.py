@@ -140,16 +140,16 @@ FAMILY_CONFIGS = {
 }
 
 
-def tiny_family_model(model_type: str, vocab_size: int, seed: int = 0, layers: int = 4):  # noqa: ANN201
+def tiny_family_model(model_type: str, vocab_size: int, seed: int = 0, layers: int = 4, **overrides):  # noqa: ANN003, ANN201
     """A small random-init model of `model_type` built from its stock transformers config class."""
     import torch
     import transformers
 
     config_class, extra = FAMILY_CONFIGS[model_type]
-    config = getattr(transformers, config_class)(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, **extra)
+    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+    config = getattr(transformers, config_class)(**{**fields, **extra, **overrides})
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 

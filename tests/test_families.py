@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -58,6 +59,7 @@ def test_uniform_compress_saves_the_stock_class(tok, tmp_path, model_type, kind)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == model_type
     assert "auto_map" not in config and not (out / "modeling_pipprune.py").exists()
+    io.check_weights(out, config)
     stock = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False).eval()
     assert type(stock).__name__ == families.FAMILIES[model_type].model_class
     with torch.no_grad():
@@ -83,6 +85,7 @@ def test_per_layer_widths_round_trip(tok, tmp_path, model_type):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == families.PRUNED_PREFIX + model_type
     assert config["layer_widths"][0] != config["layer_widths"][1]  # the protected first layer kept its width
+    io.check_weights(out, config)
     reloaded, _ = io.load(out)
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()  # what other tools do
     with torch.no_grad():
@@ -251,3 +254,88 @@ def test_unknown_layer_layout_is_refused():
     narrow.model.layers[1].self_attn.k_proj = torch.nn.Linear(64, 24, bias=False)
     with pytest.raises(UnsupportedArchitectureError, match="layer 1.*k_proj.*unknown layer layout"):
         units.discover(narrow, "attn")
+
+
+def test_weights_that_do_not_fit_the_layout_are_refused_from_headers(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_family_model("phi3", 300)
+    model.save_pretrained(tmp_path / "ok")
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    io.check_weights(tmp_path / "ok", config)
+    tensors = load_file(tmp_path / "ok" / "model.safetensors")
+    tensors["model.layers.1.self_attn.qkv.weight"] = tensors.pop("model.layers.1.self_attn.qkv_proj.weight")
+    save_file(tensors, tmp_path / "ok" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedArchitectureError, match="unknown layer layout.*layers.1.self_attn.qkv_proj"):
+        io.check_weights(tmp_path / "ok", config)
+
+
+# ---------------------------------------------------------------- the CLI, end to end on the local stack
+
+def _family_dir(model_type: str, reference, out):  # noqa: ANN001, ANN202
+    """A random-init `model_type` directory with the reference tokenizer copied in."""
+    import shutil
+
+    ref_config = json.loads((reference / "config.json").read_text())
+    model = tiny_family_model(model_type, ref_config["vocab_size"], pad_token_id=ref_config["pad_token_id"],
+                              bos_token_id=ref_config["bos_token_id"], eos_token_id=ref_config["eos_token_id"])
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(reference / name, out / name)
+    return out
+
+
+def _registered_versions(env: dict[str, str], name: str) -> int:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    return len(client.search_model_versions(f"name='{name}'"))
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_cli_compress_width_uniform_for_each_family(stack_env, tiny_reference_dir, tmp_path, model_type):
+    from tests.helpers import cli
+
+    source = _family_dir(model_type, tiny_reference_dir, tmp_path / "src")
+    out = tmp_path / "out"
+    result = cli(stack_env, "compress", "--model", str(source), "--calibration", str(tiny_reference_dir),
+                 "--ratio", "0.2", "--unit", "width", "--width-mode", "uniform", "--method", "pip",
+                 "--iterations", "1", "--n-samples", "4", "--out", str(out), "--name", f"fam-{model_type}", "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout[result.stdout.index("{"):])
+    assert abs(summary["achieved_ratio"] - 0.2) < 0.05
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == model_type and "auto_map" not in config
+    stock = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
+    assert type(stock).__name__ == families.FAMILIES[model_type].model_class
+    assert units.param_count(stock) == summary["params_after"]
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+def test_cli_refuses_unsupported_family_and_unknown_layout(stack_env, tiny_reference_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers import cli
+
+    moe = tmp_path / "moe"
+    AutoModelForCausalLM.from_config(MixtralConfig(
+        vocab_size=2048, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=2)).save_pretrained(moe)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(tiny_reference_dir / name, moe / name)
+    odd = _family_dir("qwen3", tiny_reference_dir, tmp_path / "odd")
+    tensors = load_file(odd / "model.safetensors")
+    tensors["model.layers.0.mlp.fc_in.weight"] = tensors.pop("model.layers.0.mlp.gate_proj.weight")
+    save_file(tensors, odd / "model.safetensors", metadata={"format": "pt"})
+    for model, expected in ((moe, "mixtral.*llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, olmo2"),
+                            (odd, "unknown layer layout.*model.layers.0.mlp.gate_proj")):
+        result = cli(stack_env, "compress", "--model", str(model), "--calibration", str(tiny_reference_dir),
+                     "--unit", "width", "--iterations", "1", "--name", "fam-refused")
+        assert result.returncode != 0
+        assert re.search(expected, result.stderr.replace("\n", " ")), result.stderr[-2000:]
+    assert _registered_versions(stack_env, "fam-refused") == 0
