@@ -13,10 +13,9 @@ import logging
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
-
-import transformers
 
 from pip_core import families, modeling_pipprune
 from pip_core.errors import UnsupportedArchitectureError
@@ -25,7 +24,8 @@ from pip_core.units import check_supported, param_count
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save_pruned", "load", "check_loadable", "check_tokenizer", "model_fingerprint", "param_count", "param_count_from_dir"]
+__all__ = ["save_pruned", "load", "check_loadable", "check_weights", "check_tokenizer", "model_fingerprint",
+           "param_count", "param_count_from_dir"]
 
 #: files that describe a run, not the model (left out of the fingerprint)
 _NOT_MODEL_FILES = {"pipprune_provenance.json"}
