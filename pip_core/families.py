@@ -213,8 +213,7 @@ def _keep(module: nn.Module, dim: int, keep: torch.Tensor) -> nn.Module:
             new.bias.data = bias.data.index_select(0, keep.to(bias.device)) if dim == 0 else bias.data.clone()
         new.weight.requires_grad_(module.weight.requires_grad)
         return new
-    new = copy.copy(module)  # a norm: same hyper-parameters, sliced weight
-    new._parameters = dict(module._parameters)
+    new = copy.deepcopy(module)  # a norm: same hyper-parameters, sliced weight
     new.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
     return new
 
