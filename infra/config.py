@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pip_core.vocabulary import MAX_RATIO, METHOD_ALIASES, Method, PruneTarget
+from pip_core.vocabulary import MAX_RATIO, METHOD_ALIASES, Method, PruneTarget, WidthMode
 
 
 class _Group(BaseModel):
@@ -41,6 +41,9 @@ class ScoringSettings(_Group):
     unit: PruneTarget = Field("block", description="structural unit: block | attn | mlp | width")
     method: Method = Field("pip", description="criterion: pip | random | magnitude | taylor | block-influence")
     iterations: int = Field(4, ge=1, le=100, description="prune/re-score steps to reach the ratio")
+    width_mode: WidthMode = Field("uniform", description="uniform | per-layer: uniform cuts every layer alike, so "
+                                  "the output is the family's stock config (vLLM, llama.cpp load it) and "
+                                  "protect_first/last do not apply; per-layer keeps a custom config + modeling file")
     protect_first: int = Field(1, ge=0, description="leading decoder layers never pruned")
     protect_last: int = Field(1, ge=0, description="trailing decoder layers never pruned")
 
@@ -48,6 +51,11 @@ class ScoringSettings(_Group):
     @classmethod
     def _alias_method(cls, value: object) -> object:
         return METHOD_ALIASES.get(value, value) if isinstance(value, str) else value
+
+    @field_validator("width_mode", mode="before")
+    @classmethod
+    def _alias_width_mode(cls, value: object) -> object:
+        return value.replace("-", "_") if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check_method_unit(self) -> "ScoringSettings":
@@ -92,6 +100,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "heldout_samples": ("calibration", "heldout_samples"), "max_length": ("calibration", "max_length"),
     "perturb_rate": ("calibration", "perturb_rate"),
     "unit": ("scoring", "unit"), "method": ("scoring", "method"), "iterations": ("scoring", "iterations"),
+    "width_mode": ("scoring", "width_mode"),
     "protect_first": ("scoring", "protect_first"), "protect_last": ("scoring", "protect_last"),
     "eval_tasks": ("evaluation", "tasks"), "eval_include_path": ("evaluation", "include_path"),
     "eval_limit": ("evaluation", "limit"),

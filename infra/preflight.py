@@ -23,6 +23,7 @@ def check_inputs(config: CompressConfig) -> None:
 
     local = local_model_dir(config.model)
     model_config = core_io.check_loadable(local)
+    core_io.check_weights(local, model_config)
     core_io.check_tokenizer(local)
     source = CalibrationSource(config.calibration.source, config.calibration.wordlist)
     load_calibration(source.path)

@@ -18,7 +18,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pip_core.errors import CalibrationError, PipCoreError
-from pip_core.units import Unit, check_supported, decoder_layers, layer_shape, unit_slices
+from pip_core import families
+from pip_core.units import Unit, check_supported, decoder_layers, family_of, unit_tensors
 from pip_core.vocabulary import METHODS
 
 log = logging.getLogger(__name__)
@@ -69,23 +70,25 @@ def _unit_reducers(model: nn.Module, units: Sequence[Unit], acc: torch.Tensor,
                    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> dict[nn.Parameter, list[Reducer]]:
     """For each parameter, closures adding `fn(grad, weight)` summed per unit into `acc[unit_row]`.
 
-    Vectorised per parameter: one reduction gives every group/channel of a layer at once.
+    Vectorised per parameter: one reduction along the slot's dim, then `index_add_` by the unit
+    that owns each position (the family's slots say which), gives every unit of a layer at once.
     """
-    layers = decoder_layers(model)
+    family = family_of(model)
+    layers = families.decoder_layers(model, family)
     reducers: dict[nn.Parameter, list[Reducer]] = defaultdict(list)
     by_layer: dict[tuple[str, int], dict[int | None, int]] = defaultdict(dict)
     for row, u in enumerate(units):
         by_layer[(u.kind, u.layer)][u.index] = row
 
-    def add(param: nn.Parameter, rows: torch.Tensor, dim: int, groups: int, block: bool = False) -> None:
+    def add(param: nn.Parameter, rows: torch.Tensor, dim: int | None) -> None:
         def reduce(grad: torch.Tensor) -> None:
             value = fn(grad, param.detach())
-            if block:
+            if dim is None:  # a whole block
                 acc[rows] += value.sum().to(acc.dtype)
                 return
             other = tuple(d for d in range(value.dim()) if d != dim)
-            per_index = value.sum(dim=other) if other else value
-            acc.index_add_(0, rows, per_index.reshape(groups, -1).sum(1).to(acc.dtype))
+            per_position = value.sum(dim=other) if other else value
+            acc.index_add_(0, rows, per_position.to(acc.dtype))
         reducers[param].append(reduce)
 
     for (kind, i), rows_of in by_layer.items():
@@ -93,27 +96,17 @@ def _unit_reducers(model: nn.Module, units: Sequence[Unit], acc: torch.Tensor,
         if kind == "block":
             row = torch.tensor([rows_of[None]])
             for p in layer.parameters():
-                add(p, row, 0, 1, block=True)
+                add(p, row, None)
             continue
-        s = layer_shape(layer)
-        n = s.num_kv_heads if kind == "attn" else s.intermediate
+        shape = families.layer_shape(layer, family)
+        n = shape.units(kind)
         if len(rows_of) != n:
             raise PipCoreError(f"layer {i} has {n} {kind} units but {len(rows_of)} were given; score all units of a kind")
         rows = torch.tensor([rows_of[j] for j in range(n)])
-        if kind == "attn":
-            attn = layer.self_attn
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-                add(proj.weight, rows, 0, n)
-                if proj.bias is not None:
-                    add(proj.bias, rows, 0, n)
-            add(attn.o_proj.weight, rows, 1, n)
-        else:
-            mlp = layer.mlp
-            for proj in (mlp.gate_proj, mlp.up_proj):
-                add(proj.weight, rows, 0, n)
-                if proj.bias is not None:
-                    add(proj.bias, rows, 0, n)
-            add(mlp.down_proj.weight, rows, 1, n)
+        for slot in family.slots(kind):
+            owner_rows = rows[families.owners(slot, shape, kind)]
+            for tensor, dim in families.slot_tensors(layer, slot):
+                add(tensor, owner_rows, dim)
     return reducers
 
 
@@ -205,7 +198,7 @@ def taylor(model: nn.Module, tokenizer, texts: Sequence[str], units: Sequence[Un
 
 
 def _unit_params(model: nn.Module, unit: Unit) -> list[torch.Tensor]:
-    return [t for t, _, _ in unit_slices(decoder_layers(model)[unit.layer], unit)]
+    return unit_tensors(model, unit)
 
 
 @torch.no_grad()

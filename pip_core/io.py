@@ -13,21 +13,22 @@ import logging
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from pip_core import modeling_pipprune
+from pip_core import families, modeling_pipprune
 from pip_core.errors import UnsupportedArchitectureError
 from pip_core.prune import sync_config
-from pip_core.units import SUPPORTED_MODEL_TYPES, check_supported, param_count
+from pip_core.units import check_supported, param_count
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save_pruned", "load", "check_loadable", "check_tokenizer", "model_fingerprint", "param_count", "param_count_from_dir"]
+__all__ = ["save_pruned", "load", "check_loadable", "check_weights", "check_tokenizer", "model_fingerprint",
+           "param_count", "param_count_from_dir"]
 
 #: files that describe a run, not the model (left out of the fingerprint)
 _NOT_MODEL_FILES = {"pipprune_provenance.json"}
-_STOCK_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 MODELING_FILE = Path(modeling_pipprune.__file__)
 
 
@@ -38,13 +39,9 @@ def register_classes() -> None:
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
 
 
-def _base_type(model_type: str) -> str:
-    return model_type.removeprefix("pipprune_")
-
-
-def _stock_valid(config_dict: dict, base: str, head_dim: int) -> bool:
+def _stock_valid(config_dict: dict, family: families.Family, head_dim: int) -> bool:
     """True if the stock config class accepts these widths and rebuilds the same head size."""
-    stock_cls = type(AutoConfig.for_model(base))
+    stock_cls = getattr(transformers, family.config_class)
     try:
         stock = stock_cls(**config_dict)
     except (ValueError, TypeError):
@@ -55,21 +52,22 @@ def _stock_valid(config_dict: dict, base: str, head_dim: int) -> bool:
 
 def save_pruned(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path) -> Path:
     """Write `model` (+ tokenizer) to `out_dir`; the model object is switched to the matching class."""
-    check_supported(model)
+    family = check_supported(model)
     sync_config(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = model.config
-    base = _base_type(config.model_type)
     fields = {k: v for k, v in config.to_dict().items()
               if k not in {"model_type", "layer_widths", "auto_map", "architectures", "transformers_version"}}
     widths = getattr(config, "layer_widths", None)
-    head_dim = int(model.model.layers[0].self_attn.head_dim)
-    if widths is None and _stock_valid(fields, base, head_dim):
-        new_config = type(AutoConfig.for_model(base))(**fields)
-        model.__class__ = _stock_model_class(base)
+    head_dim = int(config.head_dim)
+    if widths is None and _stock_valid(fields, family, head_dim):
+        new_config = getattr(transformers, family.config_class)(**fields)
+        model.__class__ = getattr(transformers, family.model_class)
     else:
-        config_cls, model_cls = modeling_pipprune.PRUNED_CLASSES[base]
+        if widths is None:
+            log.warning("stock %s refuses these widths; saving with per-layer classes", family.config_class)
+        config_cls, model_cls = modeling_pipprune.PRUNED_CLASSES[family.model_type]
         new_config = config_cls(**{**fields, "head_dim": head_dim}, layer_widths=widths)
         model.__class__ = model_cls
         config_cls.register_for_auto_class()
@@ -80,12 +78,6 @@ def save_pruned(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out
-
-
-def _stock_model_class(base: str) -> type:
-    import transformers
-
-    return getattr(transformers, _STOCK_CLASSES[base])
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -99,14 +91,42 @@ def check_loadable(model_dir: str | Path) -> dict:
     """Refuse, before loading any weights, a directory that is not a supported causal LM."""
     config = read_config(model_dir)
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    try:
+        families.family_for(model_type)
+    except families.UnsupportedFamilyError:
         arch = ", ".join(config.get("architectures") or [str(model_type)])
         raise UnsupportedArchitectureError(
             f"unsupported architecture {arch} (model_type={model_type!r}) in {model_dir}; "
-            "pipprune prunes Llama-layout causal LMs (llama, mistral, qwen2)")
+            f"pipprune prunes these families: {families.supported()}") from None
     if not list(Path(model_dir).glob("*.safetensors")):
         raise FileNotFoundError(f"{model_dir} has no .safetensors weights (pickled checkpoints are not loaded)")
     return config
+
+
+def check_weights(model_dir: str | Path, config: dict) -> None:
+    """Refuse, from the safetensors headers alone, weights that do not fit the layout `config` describes.
+
+    Loading would otherwise give missing tensors fresh random values and prune those: a checkpoint
+    with renamed or reshaped layer weights is an unknown layer layout, named here.
+    """
+    from safetensors import safe_open
+
+    from pip_core.memory_plan import meta_model
+
+    expected = {n: tuple(p.shape) for n, p in meta_model(config).named_parameters()}  # tied ones once
+    stored: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as fh:
+            stored.update({name: tuple(fh.get_slice(name).get_shape()) for name in fh.keys()})
+    missing = sorted(set(expected) - set(stored))
+    wrong = sorted(n for n in set(expected) & set(stored) if expected[n] != stored[n])
+    if missing or wrong:
+        detail = (f"missing {missing[:3]}" if missing else "") + \
+            (f"{'; ' if missing else ''}shape of {wrong[0]} is {stored[wrong[0]]}, the config implies "
+             f"{expected[wrong[0]]}" if wrong else "")
+        raise UnsupportedArchitectureError(
+            f"unknown layer layout in {model_dir}: the weights do not match the {config.get('model_type')} layout "
+            f"({detail}{', ...' if len(missing) + len(wrong) > 3 else ''})")
 
 
 def check_tokenizer(model_dir: str | Path) -> None:

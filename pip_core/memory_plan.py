@@ -1,5 +1,8 @@
 """Memory each stage of a compress run needs, computed from a model config alone (no weights loaded).
 
+Parameters are counted on the model built on the meta device, so every family is counted by
+its own code, with no per-family arithmetic here.
+
 Lets `pipprune plan` answer "will this fit?" for a 70B model before anything is downloaded, and
 lets compress refuse up front with the figure instead of dying mid-run.
 """
@@ -10,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import transformers
 
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
@@ -18,26 +22,39 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
 
 
+def meta_model(config: Any) -> torch.nn.Module:
+    """The model `config` describes, built on the meta device (no memory, no weights).
+
+    A dict (config.json) or a config object; per-layer-pruned `pipprune_*` types use their own
+    classes. Raises UnsupportedArchitectureError for a family without a row, and for a model
+    whose modules do not match its row (unknown layer layout).
+    """
+    from pip_core import families, modeling_pipprune
+    from pip_core.errors import UnsupportedArchitectureError
+    from pip_core.units import check_layout
+
+    model_type = _get(config, "model_type")
+    try:
+        family = families.family_for(model_type)
+    except families.UnsupportedFamilyError as exc:
+        raise UnsupportedArchitectureError(str(exc)) from None
+    if str(model_type).startswith(families.PRUNED_PREFIX):
+        config_cls, model_cls = modeling_pipprune.PRUNED_CLASSES[family.model_type]
+    else:
+        config_cls = getattr(transformers, family.config_class)
+        model_cls = getattr(transformers, family.model_class)
+    if isinstance(config, dict):
+        config = config_cls.from_dict({k: v for k, v in config.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = model_cls(config)
+    check_layout(model)
+    return model
+
+
 def param_count_from_config(config: Any) -> int:
-    """Exact parameter count of a Llama/Mistral/Qwen2-layout decoder described by `config`."""
-    hidden = int(_get(config, "hidden_size"))
-    layers = int(_get(config, "num_hidden_layers"))
-    heads = int(_get(config, "num_attention_heads"))
-    kv_heads = int(_get(config, "num_key_value_heads") or heads)
-    head_dim = int(_get(config, "head_dim") or hidden // heads)
-    inter = int(_get(config, "intermediate_size"))
-    vocab = int(_get(config, "vocab_size"))
-    tied = bool(_get(config, "tie_word_embeddings", False))
-    model_type = _get(config, "model_type", "llama")
-    qkv_bias = model_type == "qwen2" or bool(_get(config, "attention_bias", False))
-    mlp_bias = bool(_get(config, "mlp_bias", False))
-    attn = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
-    if qkv_bias:
-        attn += head_dim * (heads + 2 * kv_heads) + (hidden if model_type != "qwen2" else 0)
-    mlp = 3 * hidden * inter + ((2 * inter + hidden) if mlp_bias else 0)
-    per_layer = attn + mlp + 2 * hidden
-    embeddings = vocab * hidden * (1 if tied else 2)
-    return layers * per_layer + embeddings + hidden
+    """Exact parameter count of the model `config` describes (tied weights once), from its meta build."""
+    model = meta_model(config)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 @dataclass(frozen=True)
@@ -70,15 +87,15 @@ def plan_memory(config: Any, dtype: str = "float32", batch: int = 2, seq_len: in
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_BYTES)}")
     width = _DTYPE_BYTES[dtype]
-    n = param_count_from_config(config)
+    model = meta_model(config)
+    params = {id(p): p for p in model.parameters()}.values()
+    n = sum(p.numel() for p in params)
     hidden = int(_get(config, "hidden_size"))
     layers = int(_get(config, "num_hidden_layers"))
     heads = int(_get(config, "num_attention_heads"))
-    inter = int(_get(config, "intermediate_size"))
     vocab = int(_get(config, "vocab_size"))
     weights = n * width
-    largest = max(vocab * hidden, hidden * inter)
-    grads = largest * width
+    grads = max(p.numel() for p in params) * width
     scale = width / 2
     per_layer = int(seq_len * batch * hidden * (34 + 5 * heads * seq_len / hidden) * scale)
     if gradient_checkpointing:

@@ -6,14 +6,17 @@ No masks: the pruned model is smaller and faster, and saves as ordinary weights.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from torch import nn
 
+from pip_core import families
 from pip_core.errors import PruneError
-from pip_core.units import Unit, check_supported, decoder_layers, layer_shape, param_count
+from pip_core.families import Family
+from pip_core.units import Unit, check_supported, family_of, layer_shape, param_count
+from pip_core.vocabulary import WIDTH_MODES
 
 
 @dataclass
@@ -28,26 +31,31 @@ class PruneReport:
 
 
 def select(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target_params: int,
-           protect_first: int = 1, protect_last: int = 1) -> list[Unit]:
+           protect_first: int = 1, protect_last: int = 1, width_mode: str = "per_layer") -> list[Unit]:
     """Lowest-scoring units first until `target_params` are covered (overshoot < one unit).
+
+    `width_mode="uniform"` dispatches attention/MLP units to `select_uniform`; blocks are
+    always selected here.
 
     Kinds are ranked separately and each gets a share of the target proportional to its
     prunable parameters, because scores of a whole attention group and of a single MLP channel
     are not on one scale. The first/last `protect_*` layers are never touched, and every layer
     keeps at least one attention group, one MLP channel, and the model at least one block.
     """
-    scores = [float(s) for s in (scores.tolist() if isinstance(scores, torch.Tensor) else scores)]
-    if len(scores) != len(units):
-        raise PruneError(f"{len(scores)} scores for {len(units)} units")
+    if width_mode not in WIDTH_MODES:
+        raise PruneError(f"unknown width mode {width_mode!r}; use one of {', '.join(WIDTH_MODES)}")
+    scores = _as_floats(scores, units)
     if target_params <= 0:
         return []
+    if width_mode == "uniform" and all(u.kind in ("attn", "mlp") for u in units):
+        return select_uniform(units, scores, target_params)
     num_layers = 1 + max(u.layer for u in units)
     protected = set(range(min(protect_first, num_layers))) | set(range(max(0, num_layers - protect_last), num_layers))
     per_layer_count: dict[tuple[str, int], int] = defaultdict(int)
     for u in units:
         per_layer_count[(u.kind, u.layer)] += 1
     candidates: dict[str, list[tuple[float, Unit]]] = defaultdict(list)
-    for u, s in zip(units, scores):
+    for u, s in zip(units, scores, strict=True):
         if u.layer not in protected:
             candidates[u.kind].append((s, u))
     prunable = {k: sum(u.num_params for _, u in v) for k, v in candidates.items()}
@@ -82,81 +90,93 @@ def select(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target
     return chosen
 
 
-def _keep_linear(linear: nn.Linear, dim: int, keep: torch.Tensor) -> nn.Linear:
-    """A new Linear keeping rows (dim 0, also the bias) or columns (dim 1) listed in `keep`."""
-    weight = linear.weight.data.index_select(dim, keep.to(linear.weight.device))
-    bias = linear.bias
-    if bias is not None and dim == 0:
-        bias = bias.data.index_select(0, keep.to(bias.device))
-    new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
-    new.weight.data.copy_(weight)
-    if bias is not None:
-        new.bias.data.copy_(bias.data if isinstance(bias, nn.Parameter) else bias)
-    new.weight.requires_grad_(linear.weight.requires_grad)
-    return new
+def _as_floats(scores: Sequence[float] | torch.Tensor, units: Sequence[Unit]) -> list[float]:
+    values = [float(s) for s in (scores.tolist() if isinstance(scores, torch.Tensor) else scores)]
+    if len(values) != len(units):
+        raise PruneError(f"{len(values)} scores for {len(units)} units")
+    return values
 
 
-def _prune_attention(layer: nn.Module, groups: set[int]) -> None:
-    s = layer_shape(layer)
-    if len(groups) >= s.num_kv_heads:
-        raise PruneError("cannot remove every attention group of a layer; remove the block instead")
-    keep_kv = [g for g in range(s.num_kv_heads) if g not in groups]
-    kv_rows = torch.tensor([g * s.head_dim + d for g in keep_kv for d in range(s.head_dim)])
-    q_rows = torch.tensor([(g * s.group_size + h) * s.head_dim + d
-                           for g in keep_kv for h in range(s.group_size) for d in range(s.head_dim)])
-    attn = layer.self_attn
-    attn.q_proj = _keep_linear(attn.q_proj, 0, q_rows)
-    attn.k_proj = _keep_linear(attn.k_proj, 0, kv_rows)
-    attn.v_proj = _keep_linear(attn.v_proj, 0, kv_rows)
-    attn.o_proj = _keep_linear(attn.o_proj, 1, q_rows)
-    for name, value in (("num_heads", len(keep_kv) * s.group_size), ("num_key_value_heads", len(keep_kv))):
-        if hasattr(attn, name):
-            setattr(attn, name, value)
+def select_uniform(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target_params: int) -> list[Unit]:
+    """Remove the same number of units of each kind from EVERY layer, so widths stay uniform and the
+    pruned model is the family's stock config. Each layer drops its own lowest-scoring units; the
+    per-layer count of each kind is its share of the target (proportional to its parameters, as in
+    `select`), MLP channels absorbing the rounding. Uniform widths cut every layer, so
+    protect_first/protect_last do not apply (use width_mode per_layer to keep layers whole).
+    """
+    scores = _as_floats(scores, units)
+    by_layer: dict[str, dict[int, list[tuple[float, Unit]]]] = defaultdict(lambda: defaultdict(list))
+    for u, s in zip(units, scores, strict=True):
+        by_layer[u.kind][u.layer].append((s, u))
+    step: dict[str, int] = {}  # parameters removed by cutting one unit of that kind in every layer
+    limit: dict[str, int] = {}
+    for kind, layers in by_layer.items():
+        sizes = {len(v) for v in layers.values()}
+        params = {u.num_params for v in layers.values() for _, u in v}
+        if len(sizes) != 1 or len(params) != 1:
+            raise PruneError(f"{kind} widths differ between layers (a per-layer-pruned model); uniform width mode "
+                             "needs equal widths: use width_mode per_layer")
+        step[kind] = len(layers) * params.pop()
+        limit[kind] = sizes.pop() - 1
+    total = sum(step[k] * limit[k] for k in step)
+    if total < target_params:
+        raise PruneError(f"cannot remove {target_params:,} parameters uniformly: at most {total:,} while every layer "
+                         "keeps one unit of each kind; lower the ratio")
+    full = sum(step[k] * (limit[k] + 1) for k in step)
+    kinds = sorted(step, key=lambda k: step[k], reverse=True)  # the finest kind last, to absorb rounding
+    cut: dict[str, int] = {}
+    remaining = target_params
+    for n, kind in enumerate(kinds):
+        share = remaining if n == len(kinds) - 1 else target_params * step[kind] * (limit[kind] + 1) / full
+        cut[kind] = max(0, min(limit[kind], round(share / step[kind])))
+        remaining -= cut[kind] * step[kind]
+    if remaining > min(step.values()):
+        raise PruneError(f"uniform widths reach only {target_params - remaining:,} of {target_params:,} parameters "
+                         "without emptying a layer; lower the ratio or use width_mode per_layer")
+    chosen: list[Unit] = []
+    for kind, layers in by_layer.items():
+        for layer in sorted(layers):
+            ranked = sorted(layers[layer], key=lambda t: (t[0], t[1].index))
+            chosen.extend(u for _, u in ranked[:cut[kind]])
+    return chosen
 
 
-def _prune_mlp(layer: nn.Module, channels: set[int]) -> None:
-    inter = layer.mlp.gate_proj.out_features
-    if len(channels) >= inter:
-        raise PruneError("cannot remove every MLP channel of a layer; remove the block instead")
-    keep = torch.tensor([c for c in range(inter) if c not in channels])
-    mlp = layer.mlp
-    mlp.gate_proj = _keep_linear(mlp.gate_proj, 0, keep)
-    mlp.up_proj = _keep_linear(mlp.up_proj, 0, keep)
-    mlp.down_proj = _keep_linear(mlp.down_proj, 1, keep)
-    if hasattr(mlp, "intermediate_size"):
-        mlp.intermediate_size = len(keep)
+def _prune_width(layer: nn.Module, family: Family, kind: str, drop: set[int]) -> None:
+    n = layer_shape(layer, family).units(kind)
+    if len(drop) >= n:
+        raise PruneError(f"cannot remove every {kind} unit of a layer; remove the block instead")
+    families.keep_units(layer, family, kind, [j for j in range(n) if j not in drop])
 
 
-def _remove_blocks(model: nn.Module, drop: set[int]) -> None:
-    layers = decoder_layers(model)
+def _remove_blocks(model: nn.Module, family: Family, drop: set[int]) -> None:
+    layers = families.decoder_layers(model, family)
     if len(drop) >= len(layers):
         raise PruneError("cannot remove every decoder block")
     kept = [layer for i, layer in enumerate(layers) if i not in drop]
-    model.model.layers = nn.ModuleList(kept)
+    families.set_module(model, family.layers, nn.ModuleList(kept))
     for new_idx, layer in enumerate(kept):
-        for module in (layer, layer.self_attn):
+        for module in (layer, families.get_module(layer, family.attention)):
             if hasattr(module, "layer_idx"):
                 module.layer_idx = new_idx
     config = model.config
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = [t for i, t in enumerate(config.layer_types) if i not in drop]
-    widths = getattr(config, "layer_widths", None)
-    if isinstance(widths, list) and len(widths) == len(layers):
-        config.layer_widths = [w for i, w in enumerate(widths) if i not in drop]
+    for name in family.layer_fields + ("layer_widths",):
+        values = getattr(config, name, None)
+        if isinstance(values, list) and len(values) == len(layers):
+            setattr(config, name, [v for i, v in enumerate(values) if i not in drop])
     config.num_hidden_layers = len(kept)
 
 
 def sync_config(model: nn.Module) -> None:
     """Make the config describe the module shapes (uniform fields, or `layer_widths` if they differ)."""
-    shapes = [layer_shape(layer) for layer in decoder_layers(model)]
+    family = family_of(model)
+    shapes = [layer_shape(layer, family) for layer in families.decoder_layers(model, family)]
     config = model.config
     config.num_hidden_layers = len(shapes)
-    widths = [{"num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads,
-               "intermediate_size": s.intermediate} for s in shapes]
+    config.head_dim = shapes[0].head_dim  # explicit: stock configs would derive hidden/heads
+    widths = families.layer_widths(shapes)
     if all(w == widths[0] for w in widths):
-        config.num_attention_heads = widths[0]["num_attention_heads"]
-        config.num_key_value_heads = widths[0]["num_key_value_heads"]
-        config.intermediate_size = widths[0]["intermediate_size"]
+        for name, value in widths[0].items():
+            setattr(config, name, value)
         if hasattr(config, "layer_widths"):
             config.layer_widths = None
     else:
@@ -166,9 +186,9 @@ def sync_config(model: nn.Module) -> None:
 @torch.no_grad()
 def apply(model: nn.Module, units: Sequence[Unit]) -> PruneReport:
     """Remove `units` (indices refer to the model as it is now) and return the parameter accounting."""
-    check_supported(model)
+    family = check_supported(model)
     before = param_count(model)
-    layers = decoder_layers(model)
+    layers = families.decoder_layers(model, family)
     attn: dict[int, set[int]] = defaultdict(set)
     mlp: dict[int, set[int]] = defaultdict(set)
     blocks: set[int] = set()
@@ -181,13 +201,11 @@ def apply(model: nn.Module, units: Sequence[Unit]) -> PruneReport:
             (attn if u.kind == "attn" else mlp)[u.layer].add(int(u.index))
         else:
             raise PruneError(f"unknown unit kind {u.kind!r}")
-    for i, groups in attn.items():
-        if i not in blocks:
-            _prune_attention(layers[i], groups)
-    for i, channels in mlp.items():
-        if i not in blocks:
-            _prune_mlp(layers[i], channels)
+    for kind, drops in (("attn", attn), ("mlp", mlp)):
+        for i, drop in drops.items():
+            if i not in blocks:
+                _prune_width(layers[i], family, kind, drop)
     if blocks:
-        _remove_blocks(model, blocks)
+        _remove_blocks(model, family, blocks)
     sync_config(model)
     return PruneReport(params_before=before, params_after=param_count(model), removed=list(units))

@@ -61,6 +61,8 @@ class ScoringOptions:
     protect_first: int = 1
     protect_last: int = 1
     gradient_checkpointing: bool = False
+    #: "uniform": every layer keeps the same widths (stock config); "per_layer": each its own
+    width_mode: str = "uniform"
 
 
 def score_step(model: nn.Module, tokenizer, spec: StepSpec, options: ScoringOptions, *,  # noqa: ANN001
@@ -77,7 +79,7 @@ def score_step(model: nn.Module, tokenizer, spec: StepSpec, options: ScoringOpti
 def select_step(units: Sequence[Unit], scores: Sequence[float], spec: StepSpec, options: ScoringOptions) -> list[Unit]:
     """Second half of a step: the lowest-scoring units worth the step's budget, protected layers excluded."""
     return prune.select(units, scores, spec.params_to_remove, protect_first=options.protect_first,
-                        protect_last=options.protect_last)
+                        protect_last=options.protect_last, width_mode=options.width_mode)
 
 
 @dataclass

@@ -22,5 +22,10 @@ METHOD_ALIASES = {"block-influence": "block_influence"}
 #: methods that score whole blocks only
 BLOCK_ONLY_METHODS = frozenset({"block_influence"})
 
+#: how width units are cut: the same count in every layer (the family's stock config, loads anywhere),
+#: or each layer its own count (custom config + modeling file)
+WidthMode = Literal["uniform", "per_layer"]
+WIDTH_MODES: tuple[str, ...] = get_args(WidthMode)
+
 #: the largest fraction of parameters a run may remove
 MAX_RATIO = 0.9

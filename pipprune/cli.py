@@ -35,6 +35,8 @@ def compress(
     model: str = typer.Option(..., help="Hugging Face hub id or local model directory"),
     ratio: Optional[float] = typer.Option(None, help="fraction of parameters to remove, in (0, 0.9] [default: 0.2]"),
     unit: Optional[str] = typer.Option(None, help="block | attn | mlp | width [default: block]"),
+    width_mode: Optional[str] = typer.Option(None, help="uniform | per-layer: uniform keeps every layer equally "
+                                             "wide (stock config, loads anywhere) [default: uniform]"),
     method: Optional[str] = typer.Option(None, help="pip | random | magnitude | taylor | block-influence [default: pip]"),
     iterations: Optional[int] = typer.Option(None, help="prune/re-score steps to reach the ratio [default: 4]"),
     calibration: Optional[str] = typer.Option(None, help="calibration JSONL/TXT or reference model dir "
@@ -66,7 +68,7 @@ def compress(
     if include_path is None and tasks is None and (Path(model) / "tasks").is_dir():
         include_path = str(Path(model) / "tasks")
         tasks = ",".join(sorted(p.stem for p in Path(include_path).glob("*.yaml")))
-    fields = dict(model=model, ratio=ratio, unit=unit, method=method, iterations=iterations,
+    fields = dict(model=model, ratio=ratio, unit=unit, width_mode=width_mode, method=method, iterations=iterations,
                   calibration=default_calibration, wordlist=wordlist, n_samples=n_samples, seed=seed,
                   eval_tasks=tasks, eval_include_path=str(Path(include_path).resolve()) if include_path else None,
                   eval_limit=eval_limit, registered_model_name=name,

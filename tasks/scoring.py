@@ -56,7 +56,8 @@ def unit_id(unit: core_units.Unit) -> str:
 def scoring_options(scoring: ScoringSettings, max_length: int) -> ScoringOptions:
     """The config's scoring group as pip_core takes it."""
     return ScoringOptions(method=scoring.method, kind=scoring.unit, max_length=max_length,
-                          protect_first=scoring.protect_first, protect_last=scoring.protect_last)
+                          protect_first=scoring.protect_first, protect_last=scoring.protect_last,
+                          width_mode=scoring.width_mode)
 
 
 @task(name="score-units", cache_key_fn=key_from("model", "calib", "scoring", "spec", "max_length"),
@@ -96,7 +97,7 @@ def select_units(stats: StatsRef, scoring: ScoringSettings, spec: StepSpec) -> P
     table["selected"] = table["unit_id"].isin(chosen_ids)
     table = ScoreTable.validate(table, lazy=True)
     path = Path(stats.path).with_name(
-        f"plan-{spec.params_to_remove}-p{scoring.protect_first}-{scoring.protect_last}.csv")
+        f"plan-{spec.params_to_remove}-p{scoring.protect_first}-{scoring.protect_last}-{scoring.width_mode}.csv")
     table.to_csv(path, index=False)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     selected = sum(u.num_params for u in chosen)

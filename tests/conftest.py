@@ -63,3 +63,12 @@ def local_stack(tmp_path_factory):
         yield stack, settings
     finally:
         stack.down()
+
+
+@pytest.fixture(scope="module")
+def stack_env(local_stack, tmp_path_factory):
+    """Environment of a client of the test stack, with its own state dir."""
+    stack, settings = local_stack
+    home = tmp_path_factory.mktemp("pipprune-home")
+    env = {**stack.client_env(), "PIPPRUNE_HOME": str(home)}
+    return env

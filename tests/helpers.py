@@ -121,3 +121,48 @@ class FlakyS3Proxy:
 
     def close(self) -> None:
         self.server.shutdown()
+
+
+#: the eight supported families: stock config class and the overrides that exercise each one's
+#: peculiarity (head_dim independent of hidden/heads, sliding/full layer_types with a tiny window)
+FAMILY_CONFIGS = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 4}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "gemma2": ("Gemma2Config", {"head_dim": 32, "sliding_window": 4,
+                                "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 32, "sliding_window": 4,
+                                         "layer_types": ["sliding_attention", "sliding_attention",
+                                                         "full_attention", "sliding_attention"]}),
+    "phi3": ("Phi3Config", {}),
+    "olmo2": ("Olmo2Config", {}),
+}
+
+
+def tiny_family_model(model_type: str, vocab_size: int, seed: int = 0, layers: int = 4, **overrides):  # noqa: ANN003, ANN201
+    """A small random-init model of `model_type` built from its stock transformers config class."""
+    import torch
+    import transformers
+
+    config_class, extra = FAMILY_CONFIGS[model_type]
+    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+    config = getattr(transformers, config_class)(**{**fields, **extra, **overrides})
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def bpe_tokenizer(texts: list[str]):  # noqa: ANN201
+    """A tiny byte-level BPE tokenizer trained on `texts` (pad 0, bos 1, eos 2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(texts * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")

@@ -25,15 +25,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.stack]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def stack_env(local_stack, tmp_path_factory):
-    """Environment of a client of the test stack, with its own state dir."""
-    stack, settings = local_stack
-    home = tmp_path_factory.mktemp("pipprune-home")
-    env = {**stack.client_env(), "PIPPRUNE_HOME": str(home)}
-    return env
-
-
 
 def _apply(env: dict[str, str], monkeypatch) -> None:
     for key, value in env.items():
@@ -146,7 +137,8 @@ def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, 
     pairs = [(row["original"], row["perturbed"]) for row in map(json.loads, pairs_file.read_text().splitlines())]
     model, tokenizer = core_io.load(tiny_reference_dir)
     options = schedule.ScoringOptions(config.scoring.method, config.scoring.unit, config.calibration.max_length,
-                                      config.scoring.protect_first, config.scoring.protect_last)
+                                      config.scoring.protect_first, config.scoring.protect_last,
+                                      width_mode=config.scoring.width_mode)
     result = schedule.prune_iteratively(model, tokenizer, options, config.ratio, config.scoring.iterations,
                                         pairs=pairs, seed=config.seed, progress=False)
     loop_units = [[(u.kind, u.layer, u.index) for u in step.removed] for step in result.steps]

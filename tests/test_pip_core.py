@@ -150,8 +150,8 @@ def test_ratio_02_hits_target_and_round_trips(tok, trained, trained_fine_attn, t
     model = copy.deepcopy(trained_fine_attn if kind == "attn" else trained)
     biggest = max(u.num_params for u in units.discover(model, kind))
     total = units.param_count(model)
-    result = schedule.prune_iteratively(model, tok, schedule.ScoringOptions(method, kind, protect_first=0, protect_last=0),
-                                        0.2, 2, pairs=PAIRS, seed=0, progress=False)
+    options = schedule.ScoringOptions(method, kind, protect_first=0, protect_last=0, width_mode="per_layer")
+    result = schedule.prune_iteratively(model, tok, options, 0.2, 2, pairs=PAIRS, seed=0, progress=False)
     assert abs(result.achieved_ratio - 0.2) <= biggest / total
     assert result.params_after == units.param_count(model)
     io.save_pruned(model, tok, tmp_path / "m")
@@ -198,7 +198,6 @@ def test_lean_pip_equals_naive_two_backward_reference(tok, trained):
     found = units.discover(model, "width")
     fast = importance.score(model, "pip", found, tokenizer=tok, pairs=PAIRS, progress=False)
     naive = torch.zeros(len(found), dtype=torch.float64)
-    layers = model.model.layers
     names = {id(p): n for n, p in model.named_parameters()}
     for original, perturbed in PAIRS:
         grads = []
@@ -209,7 +208,7 @@ def test_lean_pip_equals_naive_two_backward_reference(tok, trained):
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         for row, unit in enumerate(found):
             sq = 0.0
-            for tensor, dim, sl in units.unit_slices(layers[unit.layer], unit):
+            for tensor, dim, sl in units.unit_slices(model, unit):
                 d = grads[0][names[id(tensor)]] - grads[1][names[id(tensor)]]
                 d = d[sl] if dim == 0 else d[:, sl]
                 sq += float(d.double().pow(2).sum())
