@@ -29,6 +29,7 @@ from tasks.refs import CalibrationRef, ModelRef
 from tasks.registry import register_model
 from tasks.resume import find_resume_point
 from tasks.scoring import score_units, select_units
+from tasks.signing import sign_checkpoint
 from tasks.tracking import log_final, log_iteration, log_recovery, tracking_run
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,9 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None) -> Compres
         final_eval = evaluate(model, ev.tasks, ev.include_path, content, ev.limit)  # while it is in memory
         source_eval = evaluate(source.model, ev.tasks, ev.include_path, content, ev.limit)
         after = records.heldout(history[-1])
+        signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3
         version = register_model(config.registered_model_name, model.s3_uri, run_id,
-                                 records.version_tags(config, lineage, model, run_id))
+                                 records.version_tags(config, lineage, model, run_id, signature))
         summary = records.summary(config, run_key, run_id, version, model, total, before, after, source_eval,
                                   final_eval, len(done), pre_recovery, out_dir)
         log_final(run_id, records.final_metrics(total, model, before, after, source_eval, final_eval),

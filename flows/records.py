@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from infra.config import CompressConfig
 from infra.version import code_digest, git_sha
-from tasks.refs import CalibrationRef, ModelRef, PrunePlan, SourceRef, StatsRef
+from tasks.refs import CalibrationRef, ModelRef, PrunePlan, SignatureRef, SourceRef, StatsRef
 
 
 class CompressSummary(BaseModel):
@@ -111,14 +111,16 @@ def final_metrics(total: int, model: ModelRef, before: dict[str, float], after: 
             "final.achieved_ratio": removed_fraction(total, model.num_params)}
 
 
-def version_tags(config: CompressConfig, lineage: dict[str, str], model: ModelRef, run_id: str) -> dict[str, str]:
-    """Lineage tags of the registered version: everything `pipprune lineage` re-verifies."""
+def version_tags(config: CompressConfig, lineage: dict[str, str], model: ModelRef, run_id: str,
+                 signature: SignatureRef | None = None) -> dict[str, str]:
+    """Lineage tags of the registered version: everything `pipprune lineage` re-verifies (the signature too)."""
     return {**lineage, "pipprune.model_fingerprint": model.fingerprint, "pipprune.s3_uri": model.s3_uri or "",
             "pipprune.manifest_sha256": model.manifest_sha256 or "", "pipprune.mlflow_run_id": run_id,
             "pipprune.iterations": str(config.scoring.iterations), "pipprune.method": config.scoring.method,
             "pipprune.final_checkpoint": str(config.scoring.iterations + int(config.recovery.enabled)),
             "pipprune.recovery_steps": str(config.recovery.steps),
-            "pipprune.unit": config.scoring.unit, "pipprune.ratio": str(config.ratio)}
+            "pipprune.unit": config.scoring.unit, "pipprune.ratio": str(config.ratio),
+            **(signature.tags() if signature else {})}
 
 
 def summary(config: CompressConfig, run_key: str, run_id: str, version: str, model: ModelRef, total: int,

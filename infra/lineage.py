@@ -3,14 +3,18 @@
 Checks, each reported by name: the version's tags agree with its MLflow run's tags; every
 iteration's manifest exists; every file's sha256 in S3 matches its manifest; the registered
 fingerprint and manifest hash match the final checkpoint; per-iteration metrics in S3 match
-those logged in MLflow.
+those logged in MLflow; with a verifier, the final model's OpenSSF signature verifies with the
+given public key against the bytes now in S3.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
+
+from infra.signing import SignatureCheck
 
 #: version tags that must equal the MLflow run's tags of the same name
 _CROSS_CHECKED = ("pipprune.run_key", "pipprune.source_model", "pipprune.source_fingerprint",
@@ -47,6 +51,7 @@ class Lineage(BaseModel):
     final_s3_uri: str
     config: dict[str, Any]
     iterations: list[IterationRecord]
+    signature: SignatureCheck | None = None  # None: not checked (the caller passed no verifier)
     problems: list[str]
 
     @property
@@ -70,8 +75,13 @@ def resolve_version(client, name: str, version: str | None) -> Any:  # noqa: ANN
         raise LineageError(f"registered model {name!r} version {version!r} not found") from exc
 
 
-def trace(client, store_for_run_key, name: str, version: str | None = None) -> Lineage:  # noqa: ANN001
-    """Build the lineage of `name`/`version`; `store_for_run_key(run_key)` gives the S3 checkpoint store."""
+def trace(client, store_for_run_key, name: str, version: str | None = None,  # noqa: ANN001
+          verify_signature: Callable[[dict[str, str], Any], SignatureCheck] | None = None) -> Lineage:
+    """Build the lineage of `name`/`version`; `store_for_run_key(run_key)` gives the S3 checkpoint store.
+
+    `verify_signature(tags, store)` checks the version's model signature (infra.signing), whose
+    problems join the others: the hashes alone cannot catch a bucket writer who rewrote the manifest too.
+    """
     mv = resolve_version(client, name, version)
     tags = dict(mv.tags)
     if "pipprune.run_key" not in tags:
@@ -120,8 +130,11 @@ def trace(client, store_for_run_key, name: str, version: str | None = None) -> L
             problems.append("final model fingerprint in S3 differs from the registered one")
         if not (tags.get("pipprune.s3_uri") or "").startswith(final.uri):
             problems.append(f"registered S3 URI {tags.get('pipprune.s3_uri')} is not under {final.uri}")
+    signature = verify_signature(tags, store) if verify_signature is not None else None
+    if signature is not None:
+        problems.extend(signature.problems)
     return Lineage(
-        name=name, version=str(mv.version), source_model=tags.get("pipprune.source_model", ""),
+        signature=signature, name=name, version=str(mv.version), source_model=tags.get("pipprune.source_model", ""),
         source_fingerprint=tags.get("pipprune.source_fingerprint", ""),
         calibration_hash=tags.get("pipprune.calibration_hash", ""), config_digest=tags.get("pipprune.config_digest", ""),
         code_digest=tags.get("pipprune.code_digest", ""), git_sha=tags.get("pipprune.git_sha", ""),

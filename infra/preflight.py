@@ -78,3 +78,14 @@ def check_services(settings: Settings) -> None:
     except (bce.EndpointConnectionError, bce.ConnectTimeoutError) as exc:
         raise PreflightError(f"cannot reach S3 at {where}: {exc}") from exc
     check_mlflow(settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+    check_signing_key(settings)
+
+
+def check_signing_key(settings: Settings) -> None:
+    """The key that will sign the registered model loads (a compress run must not fail at its last step)."""
+    from infra.signing import SigningError, resolve_signing_key
+
+    try:
+        resolve_signing_key(settings)
+    except SigningError as exc:
+        raise PreflightError(str(exc)) from exc

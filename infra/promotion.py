@@ -11,9 +11,12 @@ import math
 import re
 from datetime import datetime, timezone
 from pathlib import Path
+from collections.abc import Callable
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
+
+from infra.signing import SignatureCheck
 
 #: MLflow's own alias rule, plus its reserved names
 _ALIAS = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
@@ -35,6 +38,9 @@ class PromotionGates(BaseModel):
     perplexity_increase_max: float | None = Field(
         None, ge=0, description="maximum relative increase of held-out perplexity (0.5 = +50%)")
     param_reduction_min: float | None = Field(None, ge=0, le=1, description="minimum fraction of params removed")
+    require_signature: bool = Field(
+        True, description="the version's OpenSSF model signature must verify with the public key against the "
+                          "model in S3 (false: promote unsigned versions too)")
 
     @classmethod
     def from_file(cls, path: Path) -> "PromotionGates":
@@ -99,8 +105,23 @@ class PromotionOutcome(BaseModel):
     gates: list[GateResult]
 
 
-def promote(client, name: str, version: str, alias: str, gates: PromotionGates, reason: str = "") -> PromotionOutcome:  # noqa: ANN001
-    """Set `alias` on `name`/`version` if every gate passes; otherwise change nothing."""
+def signature_gate(check: SignatureCheck | None) -> GateResult:
+    """The signature as a gate: passed only when it verified (None: nothing could check it)."""
+    if check is None:
+        return GateResult(gate="signature", passed=False, observed=None, threshold=1.0,
+                          detail="no signature verifier configured")
+    detail = (f"verified with key {check.verified_with[:16]} ({check.files_verified} files)" if check.verified
+              else "; ".join(check.problems))
+    return GateResult(gate="signature", passed=check.verified, observed=float(check.verified), threshold=1.0,
+                      detail=detail)
+
+
+def promote(client, name: str, version: str, alias: str, gates: PromotionGates, reason: str = "",  # noqa: ANN001
+            verify_signature: Callable[[dict[str, str]], SignatureCheck] | None = None) -> PromotionOutcome:
+    """Set `alias` on `name`/`version` if every gate passes; otherwise change nothing.
+
+    `verify_signature(version_tags)` checks the model signature when the gates require one.
+    """
     from mlflow.exceptions import MlflowException
 
     check_alias(alias)
@@ -112,6 +133,8 @@ def promote(client, name: str, version: str, alias: str, gates: PromotionGates, 
         raise PromotionError(f"{name} v{version} has no MLflow run to read metrics from")
     metrics = client.get_run(mv.run_id).data.metrics
     results = evaluate_gates(gates, metrics)
+    if gates.require_signature:
+        results.append(signature_gate(verify_signature(dict(mv.tags)) if verify_signature else None))
     passed = all(r.passed for r in results)
     if not passed:
         return PromotionOutcome(name=name, version=str(version), alias=alias, promoted=False, changed=False, gates=results)

@@ -219,3 +219,46 @@ class CheckpointStore:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return local_dir
+
+    # ------------------------------------------------------------------ single objects (signatures)
+    def files_under(self, uri: str) -> dict[str, str]:
+        """file (relative to `uri`) -> sha256, as the manifest of the checkpoint holding `uri` lists them."""
+        bucket, key = split_uri(uri)
+        m = re.search(r"iter-(\d+)/", key)
+        ref = self._manifest(int(m.group(1))) if bucket == self.bucket and m else None
+        if ref is None:
+            raise CorruptCheckpointError(f"{uri} is not under a complete checkpoint of run {self.run_key}")
+        sub = key.split(f"iter-{ref.iteration}/", 1)[1]
+        return {rel[len(sub):]: entry["sha256"] for rel, entry in ref.files.items() if rel.startswith(sub)}
+
+    def put_bytes(self, uri: str, body: bytes) -> None:
+        """Write one small object pipprune owns (a signature) and check it reads back byte for byte."""
+        bucket, key = split_uri(uri)
+        self.client.put_object(Bucket=bucket, Key=key, Body=body)
+        if self.get_bytes(uri) != body:
+            raise UploadVerificationError(f"{uri} did not verify after upload")
+
+    def get_bytes(self, uri: str) -> bytes | None:
+        """One object's bytes, or None when it does not exist."""
+        bucket, key = split_uri(uri)
+        try:
+            return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            return None
+
+    def download_prefix(self, uri: str, local_dir: Path) -> list[str]:
+        """Every object under `uri` as it is in S3, NOT checked against any manifest (for signature checks)."""
+        bucket, prefix = split_uri(uri)
+        prefix = prefix.rstrip("/") + "/"
+        names = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                rel = obj["Key"][len(prefix):]
+                target = (Path(local_dir) / rel).resolve()
+                if not rel or not target.is_relative_to(Path(local_dir).resolve()):
+                    raise CorruptCheckpointError(f"unsafe object name under {uri}: {obj['Key']!r}")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self.client.download_file(bucket, obj["Key"], str(target))
+                names.append(rel)
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
+        return sorted(names)

@@ -32,11 +32,18 @@ class Settings(BaseSettings):
     mlflow_port: int = Field(5310, ge=1, le=65535)
     prefect_port: int = Field(4310, ge=1, le=65535)
     registered_model_name: str = "pipprune-model"
+    signing_key: Path | None = Field(None, description="PEM EC private key that signs every registered model "
+                                     "(OpenSSF model-signing); default: the install's key under home/keys")
 
     @field_validator("home")
     @classmethod
     def _absolute(cls, value: Path) -> Path:
         return value.expanduser().resolve()
+
+    @field_validator("signing_key", mode="before")
+    @classmethod
+    def _key_path(cls, value: object) -> Path | None:
+        return Path(value).expanduser().resolve() if value not in (None, "") else None  # type: ignore[arg-type]
 
     @field_validator("s3_bucket")
     @classmethod

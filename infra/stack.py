@@ -30,6 +30,7 @@ from pathlib import Path
 
 from infra.credentials import S3Credentials, ensure_credentials
 from infra.settings import Settings
+from infra.signing import ensure_signing_key, signing_key_path
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ class LocalStack:
         return {"PIPPRUNE_S3_ENDPOINT_URL": urls["s3"], "PIPPRUNE_MLFLOW_TRACKING_URI": urls["mlflow"],
                 "PIPPRUNE_PREFECT_API_URL": urls["prefect"], "PIPPRUNE_S3_BUCKET": self.settings.s3_bucket,
                 "MLFLOW_TRACKING_URI": urls["mlflow"], "PREFECT_API_URL": urls["prefect"],
-                "AWS_DEFAULT_REGION": REGION, **self.credentials().as_env()}
+                "AWS_DEFAULT_REGION": REGION, "PIPPRUNE_SIGNING_KEY": str(signing_key_path(self.settings)),
+                **self.credentials().as_env()}
 
     def public_env(self) -> dict[str, str]:
         """`client_env` without the keys: what `stack up` prints."""
@@ -287,6 +289,7 @@ class LocalStack:
 
     def up(self, wait: bool = True, timeout: float = 180.0) -> list[ServiceStatus]:
         """Start whatever is not running (idempotent; a server that died is restarted on the same data)."""
+        ensure_signing_key(self.settings)  # the install's model-signing key (0600) when PIPPRUNE_SIGNING_KEY names none
         self.dir.mkdir(parents=True, exist_ok=True)
         state = self._read_state()
         for name, spec in self.services().items():

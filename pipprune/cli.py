@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 
+from pipprune.commands import keys as keys_cmd
 from pipprune.commands import promote as promote_cmd
 from pipprune.commands import reference as reference_cmd
 from pipprune.commands import stack as stack_cmd
@@ -20,6 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Auditable PIP pruning of causal LMs: compress, evaluate, trace, promote.")
 app.add_typer(stack_cmd.app, name="stack", help="Local S3 / MLflow / Prefect stack on 127.0.0.1.")
 app.add_typer(reference_cmd.app, name="reference", help="Build the offline reference model and tasks.")
+app.add_typer(keys_cmd.app, name="keys", help="The key that signs registered models (OpenSSF model-signing).")
 app.command("lineage")(promote_cmd.lineage)
 app.command("promote")(promote_cmd.promote)
 

@@ -64,3 +64,17 @@ class CheckpointInfo(_Ref):
     s3_uri: str
     manifest_sha256: str
 
+
+
+class SignatureRef(_Ref):
+    """An OpenSSF model-signing signature of a checkpoint's model directory, stored in S3 beside it."""
+
+    uri: str
+    sha256: str
+    key_fingerprint: str
+
+    def tags(self) -> dict[str, str]:
+        """The registered version's tags that `lineage` and `promote` check the signature against."""
+        from infra.signing import TAG_KEY, TAG_SHA256, TAG_URI
+
+        return {TAG_URI: self.uri, TAG_SHA256: self.sha256, TAG_KEY: self.key_fingerprint}

@@ -16,18 +16,24 @@ def _fail(message: str, code: int = 2) -> None:
 def lineage(
     name: str = typer.Argument(..., help="registered model name"),
     version: Optional[str] = typer.Option(None, help="version number or alias (default: latest)"),
+    public_key: Optional[Path] = typer.Option(None, help="PEM public key that must verify the model signature "
+                                              "(default: the public half of PIPPRUNE_SIGNING_KEY / the install's key)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
-    """Print the chain behind a model version and re-verify every hash; exit 1 on any mismatch."""
+    """Print the chain behind a model version, re-verify every hash and the model signature; exit 1 on any mismatch."""
+    key = _public_key(public_key)
     from infra.runtime import prepare_runtime
 
     settings = prepare_runtime()
     from infra.lineage import LineageError, trace
     from infra.mlflow_utils import mlflow_client
     from infra.s3store import CheckpointStore
+    from infra.signing import check_version_signature
 
     try:
-        result = trace(mlflow_client(), lambda key: CheckpointStore.from_settings(settings, key), name, version)
+        result = trace(mlflow_client(), lambda run_key: CheckpointStore.from_settings(settings, run_key), name, version,
+                       verify_signature=lambda tags, store: check_version_signature(
+                           tags, store, key or _install_public_key(settings), settings.work_dir))
     except LineageError as exc:
         _fail(str(exc))
     if json_out:
@@ -36,6 +42,40 @@ def lineage(
         _print_lineage(result)
     if result.problems:
         raise typer.Exit(1)
+
+
+def _public_key(path: Path | None) -> bytes | None:
+    """The --public-key PEM, checked before anything else runs (exit 2 naming the file)."""
+    if path is None:
+        return None
+    from infra.signing import SigningError, load_public_key
+
+    try:
+        return load_public_key(path)
+    except SigningError as exc:
+        _fail(str(exc))
+
+
+def _install_public_key(settings) -> bytes | None:  # noqa: ANN001
+    """The public half of the key this install signs with, or None when there is none."""
+    from infra.signing import SigningError, public_key_pem, signing_key_path
+
+    try:
+        return public_key_pem(signing_key_path(settings))
+    except SigningError:
+        return None
+
+
+def _signature_verifier(settings, key: bytes | None):  # noqa: ANN001, ANN202
+    """tags -> SignatureCheck of that version's signature against the model in S3."""
+    from infra.s3store import CheckpointStore
+    from infra.signing import check_version_signature
+
+    def verify(tags: dict[str, str]):  # noqa: ANN202
+        store = CheckpointStore.for_uri(settings, tags["pipprune.s3_uri"]) if tags.get("pipprune.s3_uri") else None
+        return check_version_signature(tags, store, key or _install_public_key(settings), settings.work_dir)
+
+    return verify
 
 
 def _print_lineage(result) -> None:  # noqa: ANN001 - rich output only
@@ -48,7 +88,7 @@ def _print_lineage(result) -> None:  # noqa: ANN001 - rich output only
                          ("calibration sha256", result.calibration_hash), ("config digest", result.config_digest),
                          ("code digest", result.code_digest), ("git sha", result.git_sha),
                          ("Prefect flow run", result.prefect_flow_run_id), ("MLflow run", result.mlflow_run_id),
-                         ("final checkpoint", result.final_s3_uri)]:
+                         ("final checkpoint", result.final_s3_uri), ("signature", _signature_line(result.signature))]:
         head.add_row(label, value)
     console.print(head)
     steps = Table(title="iterations")
@@ -63,9 +103,19 @@ def _print_lineage(result) -> None:  # noqa: ANN001 - rich output only
     console.print(steps)
     if result.problems:
         for problem in result.problems:
-            console.print(f"[red]MISMATCH[/red] {problem}")
+            console.print(f"[red]MISMATCH[/red] {problem}", soft_wrap=True)  # unwrapped: file names stay whole
     else:
-        console.print("[green]lineage verified: every tag and sha256 matches[/green]")
+        console.print("[green]lineage verified: every tag and sha256 matches"
+                      + (", and the model signature verifies" if result.signature else "") + "[/green]")
+
+
+def _signature_line(check) -> str:  # noqa: ANN001
+    if check is None:
+        return "not checked"
+    if not check.signed:
+        return "UNSIGNED"
+    status = "verified" if check.verified else "NOT VERIFIED"
+    return f"{status}: {check.uri} (signed by key {check.key_fingerprint[:16]})"
 
 
 def promote(
@@ -74,8 +124,11 @@ def promote(
     alias: str = typer.Option(..., help="alias to set, e.g. champion"),
     gates: Optional[Path] = typer.Option(None, help="YAML gate file (default: PIPPRUNE_GATES_FILE or no gates)"),
     reason: str = typer.Option("", help="why, recorded on the version"),
+    public_key: Optional[Path] = typer.Option(None, help="PEM public key that must verify the model signature "
+                                              "(default: the public half of PIPPRUNE_SIGNING_KEY / the install's key)"),
 ) -> None:
-    """Move ALIAS to VERSION only if the version's logged metrics pass every gate."""
+    """Move ALIAS to VERSION only if its logged metrics pass every gate and its model signature verifies
+    (unless the gate file says `require_signature: false`)."""
     from pydantic import ValidationError
 
     from infra.promotion import PromotionError, PromotionGates, check_alias
@@ -89,12 +142,14 @@ def promote(
         _fail(str(exc))
     from infra.runtime import prepare_runtime
 
-    prepare_runtime()
+    key = _public_key(public_key)
+    settings = prepare_runtime()
     from infra.mlflow_utils import mlflow_client
     from infra.promotion import promote as do_promote
 
     try:
-        outcome = do_promote(mlflow_client(), name, version, alias, gate_cfg, reason)
+        outcome = do_promote(mlflow_client(), name, version, alias, gate_cfg, reason,
+                             verify_signature=_signature_verifier(settings, key))
     except PromotionError as exc:
         _fail(str(exc))
     for gate in outcome.gates:

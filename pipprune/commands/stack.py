@@ -35,12 +35,16 @@ def _print(statuses, as_json: bool) -> None:  # noqa: ANN001
 @app.command()
 def up(json_out: bool = typer.Option(False, "--json")) -> None:
     """Start (or restart) the S3, MLflow and Prefect servers on their data and wait until they are healthy."""
+    from infra.signing import SigningError
     from infra.stack import StackError
 
     stack = _stack()
     started = time.monotonic()
     try:
         statuses = stack.up(wait=True)
+    except SigningError as exc:  # PIPPRUNE_SIGNING_KEY names a missing or unusable key
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
     except StackError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(3) from exc
