@@ -9,9 +9,9 @@ from __future__ import annotations
 import getpass
 import math
 import re
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from collections.abc import Callable
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field

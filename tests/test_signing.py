@@ -141,11 +141,13 @@ def _key(uri: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.stack
-def test_signed_version_verifies_with_only_the_public_key(env, signed):
+def test_signed_version_verifies_with_only_the_public_key(env, signed, local_stack):
     from infra.hashing import sha256_bytes
-    from infra.signing import fingerprint
+    from infra.signing import fingerprint, install_key_path
 
     summary, tags, public = signed
+    stack_key = install_key_path(local_stack[1])  # `stack up` made the install's key, and clients sign with it
+    assert env["PIPPRUNE_SIGNING_KEY"] == str(stack_key) and stat.S_IMODE(stack_key.stat().st_mode) == 0o600
     assert tags["pipprune.signature_uri"] == summary["s3_uri"].rstrip("/") + ".sig"
     body = s3_of(env).get_object(Bucket=BUCKET, Key=_key(tags["pipprune.signature_uri"]))["Body"].read()
     assert tags["pipprune.signature_sha256"] == sha256_bytes(body)
@@ -178,7 +180,7 @@ def test_stock_model_signing_cli_verifies_a_downloaded_copy(env, signed, tmp_pat
 @pytest.mark.slow
 @pytest.mark.stack
 def test_one_changed_byte_fails_lineage_even_with_a_forged_manifest(env, signed):
-    """A bucket writer flips one weight byte and rewrites the manifest to match: hashes agree, the signature does not."""
+    """A bucket writer flips one weight byte and rewrites the manifest to match: the hashes agree, the signature not."""
     from infra.hashing import sha256_bytes
 
     summary, _tags, public = signed
@@ -186,7 +188,8 @@ def test_one_changed_byte_fails_lineage_even_with_a_forged_manifest(env, signed)
     prefix = _key(summary["s3_uri"])
     weights = prefix + "model.safetensors"
     manifest_key = prefix.rsplit("model/", 1)[0] + "manifest.json"
-    original, original_manifest = (s3.get_object(Bucket=BUCKET, Key=k)["Body"].read() for k in (weights, manifest_key))
+    original, original_manifest = (s3.get_object(Bucket=BUCKET, Key=k)["Body"].read()
+                                   for k in (weights, manifest_key))
     changed = bytearray(original)
     changed[len(changed) // 2] ^= 0x01
     manifest = json.loads(original_manifest)
