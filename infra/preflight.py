@@ -51,6 +51,36 @@ def check_mlflow(uri: str | None) -> None:
     raise PreflightError(f"MLflow at {uri} is not healthy")
 
 
+def check_mlflow_artifacts(uri: str) -> None:
+    """The MLflow server's artifact proxy can list its store: a proxy whose S3 keys are refused fails
+    here, in a second, instead of at the first plot after minutes of scoring."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = uri.rstrip("/") + "/api/2.0/mlflow-artifacts/artifacts?path="
+    try:
+        with urllib.request.urlopen(url, timeout=30):  # noqa: S310 - the configured tracking server
+            return
+    except urllib.error.HTTPError as exc:
+        body = exc.read(2000).decode(errors="replace")
+        if exc.code == 404 and "mlflow-artifacts" not in body:  # a server that does not proxy artifacts
+            return
+        try:
+            reason = json.loads(body).get("message", body)
+        except ValueError:
+            reason = body
+        if exc.code in (401, 403) or any(c in body for c in ("InvalidAccessKeyId", "SignatureDoesNotMatch",
+                                                              "AccessDenied")):
+            raise PreflightError(f"the MLflow server at {uri} cannot store artifacts: S3 refused its credentials "
+                                 f"({reason[:300]}); restart it with the right keys (embedded stack: "
+                                 "`pipprune stack down && pipprune stack up`)") from exc
+        raise PreflightError(f"the MLflow server at {uri} cannot list its artifact store: HTTP {exc.code} "
+                             f"{reason[:300]}") from exc
+    except OSError as exc:
+        raise PreflightError(f"cannot reach MLflow at {uri}: {exc}") from exc
+
+
 def check_services(settings: Settings) -> None:
     """The bucket exists and the credentials may use it; MLflow answers."""
     import os
@@ -77,7 +107,10 @@ def check_services(settings: Settings) -> None:
         raise PreflightError(f"S3 bucket {settings.s3_bucket!r} at {where}: {exc}") from exc
     except (bce.EndpointConnectionError, bce.ConnectTimeoutError) as exc:
         raise PreflightError(f"cannot reach S3 at {where}: {exc}") from exc
-    check_mlflow(settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+    uri = settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    check_mlflow(uri)
+    if uri and uri.startswith(("http://", "https://")):
+        check_mlflow_artifacts(uri)
     check_signing_key(settings)
 
 

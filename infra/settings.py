@@ -26,9 +26,10 @@ class Settings(BaseSettings):
     mlflow_tracking_uri: str | None = None
     prefect_api_url: str | None = None
     s3_port: int = Field(9310, ge=1, le=65535)
-    s3_aux_port_base: int = Field(19310, ge=1, le=65535 - 16,
-                                  description="first of 11 consecutive ports the embedded S3 server (SeaweedFS) "
-                                              "opens besides S3: master, volume, filer, admin, gRPC")
+    s3_aux_port_base: int = Field(19310, ge=1, le=65535 - 10 - 10000,
+                                  description="first of 10 consecutive ports the embedded S3 server (SeaweedFS) "
+                                              "opens besides S3 (master, volume, filer, admin, gRPC); its admin "
+                                              "gRPC port is the admin port (base + 7) + 10000")
     mlflow_port: int = Field(5310, ge=1, le=65535)
     prefect_port: int = Field(4310, ge=1, le=65535)
     registered_model_name: str = "pipprune-model"

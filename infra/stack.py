@@ -38,8 +38,13 @@ HOST = "127.0.0.1"
 REGION = "us-east-1"
 #: the ports `weed mini` opens besides S3, in the order they follow `s3_aux_port_base`
 WEED_AUX_PORTS = ("s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
-                  "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc", "s3.port.iceberg",
-                  "s3.port.lance")
+                  "filer.port", "filer.port.grpc", "admin.port", "s3.port.iceberg", "s3.port.lance")
+#: the admin gRPC port must be the admin HTTP port + 10000: the worker `weed mini` starts dials exactly
+#: that (whatever -admin.port.grpc says) and otherwise retries, and logs, every few seconds forever
+ADMIN_GRPC_OFFSET = 10000
+#: written once by `up`; reading it back proves the volume layer serves, not only the S3 front end
+#: (after a restart ListBuckets answers ~5 s before reads stop failing with "volume 1 not found")
+HEALTH_KEY = ".pipprune/health"
 
 
 class StackError(RuntimeError):
@@ -100,12 +105,30 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _group_pids(pgid: int) -> list[int]:
+def _cmdline(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.rstrip(b"\0").decode(errors="replace").split("\0") if raw else None
+
+
+def _is_ours(entry: dict) -> bool:
+    """The recorded pid is alive and still runs the recorded command, not a pid reused after a reboot or crash."""
+    pid = entry.get("pid")
+    if not _pid_alive(pid):
+        return False
+    return "cmd" not in entry or _cmdline(pid) == entry["cmd"]  # state files of older versions hold no cmd
+
+
+def _group_pids(pgid: int, executable: str | None = None) -> list[int]:
+    """Live processes of group `pgid`; with `executable`, only those running it (never a stranger's process)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if os.getpgid(int(entry.name)) == pgid and _pid_alive(int(entry.name)):
+                if os.getpgid(int(entry.name)) == pgid and _pid_alive(int(entry.name)) and (
+                        executable is None or (_cmdline(int(entry.name)) or [""])[0] == executable):
                     pids.append(int(entry.name))
             except OSError:
                 continue
@@ -121,12 +144,17 @@ def _group_alive(pgid: int) -> bool:
     return bool(_group_pids(pgid))
 
 
-def _group_rss_mb(pgid: int | None) -> float:
+def _executable(entry: dict) -> str | None:
+    """The program a state entry started (None for entries of older versions)."""
+    return entry["cmd"][0] if entry.get("cmd") else None
+
+
+def _group_rss_mb(pgid: int | None, executable: str | None = None) -> float:
     """Resident memory of every process in the group (a server and the workers it forked)."""
     if not pgid:
         return 0.0
     total_kb = 0
-    for pid in _group_pids(pgid):
+    for pid in _group_pids(pgid, executable):
         try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -143,16 +171,33 @@ def _reap(pid: int) -> None:
         pass
 
 
-def _stop_group(pgid: int, timeout: float) -> None:
-    """SIGTERM the whole group, SIGKILL what is left after `timeout`."""
-    _signal_group(pgid, signal.SIGTERM)
+def _stop_group(pgid: int, timeout: float, executable: str | None = None) -> None:
+    """SIGTERM the group, SIGKILL what is left after `timeout`.
+
+    With `executable` (the command recorded at start), only the group's processes running it are
+    signalled: after a reboot the pid, and so the group id, may belong to someone else entirely.
+    """
+    if executable is None:
+        _signal_group(pgid, signal.SIGTERM)
+    else:
+        _signal_pids(_group_pids(pgid, executable), signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while _group_alive(pgid) and time.monotonic() < deadline:
+    while _group_pids(pgid, executable) and time.monotonic() < deadline:
         _reap(pgid)
         time.sleep(0.2)
-    if _group_alive(pgid):
+    if executable is None and _group_alive(pgid):
         _signal_group(pgid, signal.SIGKILL)
+    elif executable is not None:
+        _signal_pids(_group_pids(pgid, executable), signal.SIGKILL)
     _reap(pgid)
+
+
+def _signal_pids(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
 
 
 def _http_health(url: str, expect: str) -> Callable[[], tuple[bool, str]]:
@@ -210,7 +255,8 @@ class LocalStack:
 
     def aux_ports(self) -> dict[str, int]:
         base = self.settings.s3_aux_port_base
-        return {flag: base + i for i, flag in enumerate(WEED_AUX_PORTS)}
+        ports = {flag: base + i for i, flag in enumerate(WEED_AUX_PORTS)}
+        return {**ports, "admin.port.grpc": ports["admin.port"] + ADMIN_GRPC_OFFSET}
 
     def services(self) -> dict[str, ServiceSpec]:
         s, py, home = self.settings, sys.executable, self.settings.home
@@ -259,6 +305,14 @@ class LocalStack:
             return False, f"ListBuckets failed: {exc}"
         if self.settings.s3_bucket not in names:
             return False, f"bucket {self.settings.s3_bucket!r} not there yet"
+        try:
+            try:
+                client.get_object(Bucket=self.settings.s3_bucket, Key=HEALTH_KEY)["Body"].read()
+            except client.exceptions.NoSuchKey:  # first start: write it, then it must read back
+                client.put_object(Bucket=self.settings.s3_bucket, Key=HEALTH_KEY, Body=b"ok\n")
+                client.get_object(Bucket=self.settings.s3_bucket, Key=HEALTH_KEY)["Body"].read()
+        except (bce.BotoCoreError, bce.ClientError) as exc:
+            return False, f"ListBuckets ok, but a read through the volume layer failed: {exc}"
         return True, ""
 
     # ------------------------------------------------------------------ state
@@ -280,10 +334,11 @@ class LocalStack:
         for name, spec in self.services().items():
             entry = state.get(name, {})
             pid = entry.get("pid")
-            alive = _pid_alive(pid)
+            alive = _is_ours(entry)
             healthy, detail = spec.health() if alive else (False, "not running" if not pid else "stale pid")
-            out.append(ServiceStatus(name=name, url=spec.url, port=spec.port, pid=pid, up=alive and healthy,
-                                     data_dir=str(spec.data_dir), rss_mb=_group_rss_mb(pid) if alive else 0.0,
+            out.append(ServiceStatus(name=name, url=spec.url, port=spec.port, pid=pid if alive else None,
+                                     up=alive and healthy, data_dir=str(spec.data_dir),
+                                     rss_mb=_group_rss_mb(pid, _executable(entry)) if alive else 0.0,
                                      log=entry.get("log", str(self.dir / f"{name}.log")), detail=detail))
         return out
 
@@ -294,11 +349,11 @@ class LocalStack:
         state = self._read_state()
         for name, spec in self.services().items():
             entry = state.get(name, {})
-            if _pid_alive(entry.get("pid")):
+            if _is_ours(entry):
                 continue
             if entry.get("pid"):  # the leader died (kill -9, reboot): clear what is left of its group
                 log.warning("%s: stale pid %d, restarting on %s", name, entry["pid"], spec.data_dir)
-                _stop_group(entry["pid"], timeout=5)
+                _stop_group(entry["pid"], timeout=5, executable=_executable(entry) or spec.cmd[0])
             if _port_open(spec.port):
                 raise StackError(f"port {spec.port} for {name} is already used by another process; "
                                  f"set PIPPRUNE_{name.upper()}_PORT to a free port")
@@ -309,7 +364,7 @@ class LocalStack:
             with log_path.open("ab") as log_fh:
                 proc = subprocess.Popen(spec.cmd, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env=env, start_new_session=True, cwd=self.dir)
-            state[name] = {"pid": proc.pid, "log": str(log_path), "started_at": time.time()}
+            state[name] = {"pid": proc.pid, "cmd": spec.cmd, "log": str(log_path), "started_at": time.time()}
             self._write_state(state)
             log.info("started %s (pid %d) on %s", name, proc.pid, spec.url)
         if wait:
@@ -339,8 +394,8 @@ class LocalStack:
         MLflow leave worker children (uvicorn) in the leader's group.
         """
         for entry in self._read_state().values():
-            if entry.get("pid"):
-                _stop_group(entry["pid"], timeout)
+            if entry.get("pid") and (_is_ours(entry) or not _pid_alive(entry["pid"])):
+                _stop_group(entry["pid"], timeout, _executable(entry))
         if self.state_file.exists():
             self.state_file.unlink()
 

@@ -13,6 +13,7 @@ from infra.calibration import CalibrationSource, calibration_hash, load_calibrat
 from infra.settings import Settings
 from pip_core.perturb import Perturber
 from pip_core.wordlist import WordList
+from infra import atomic
 from tasks._common import key_from
 from tasks.refs import CalibrationRef
 
@@ -20,11 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    """Atomic, via a temp file of this call alone: runs with other keys may write the same pairs at once."""
+    atomic.write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 @task(name="prepare-calibration", cache_key_fn=key_from("settings", "seed", "source_digest"),

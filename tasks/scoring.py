@@ -18,6 +18,7 @@ import pandas as pd
 import pandera.pandas as pa
 from prefect import task
 
+from infra import atomic
 from infra.settings import Settings
 from infra.config import ScoringSettings
 from pip_core import schedule
@@ -76,7 +77,7 @@ def score_units(model: ModelRef, calib: CalibrationRef, scoring: ScoringSettings
     out.mkdir(parents=True, exist_ok=True)
     rows = [{"unit_id": unit_id(u), "kind": u.kind, "layer": u.layer, "index": u.index,
              "num_params": u.num_params, "score": s} for u, s in zip(found, scores)]
-    (out / "stats.json").write_text(json.dumps(rows))
+    atomic.write_text(out / "stats.json", json.dumps(rows))
     log.info("%s scored %d %s units in %.1fs", scoring.method, len(found), scoring.unit, seconds)
     return StatsRef(path=str(out / "stats.json"), model_fingerprint=model.fingerprint, method=scoring.method,
                     unit=scoring.unit, n_units=len(found), seconds=seconds)
@@ -98,7 +99,7 @@ def select_units(stats: StatsRef, scoring: ScoringSettings, spec: StepSpec) -> P
     table = ScoreTable.validate(table, lazy=True)
     path = Path(stats.path).with_name(
         f"plan-{spec.params_to_remove}-p{scoring.protect_first}-{scoring.protect_last}-{scoring.width_mode}.csv")
-    table.to_csv(path, index=False)
+    atomic.write_text(path, table.to_csv(index=False))
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     selected = sum(u.num_params for u in chosen)
     log.info("plan: remove %d units (%d params; asked %d)", len(chosen), selected, spec.params_to_remove)

@@ -46,8 +46,9 @@ def stack_settings(home: Path):  # noqa: ANN201 - infra.settings.Settings, impor
     """Settings of an embedded stack in `home` on free loopback ports (S3 and the block SeaweedFS adds)."""
     from infra.settings import Settings
 
-    return Settings(home=home, s3_port=free_port(), s3_aux_port_base=free_port_range(12), mlflow_port=free_port(),
-                    prefect_port=free_port(), s3_endpoint_url=None, mlflow_tracking_uri=None, prefect_api_url=None)
+    return Settings(home=home, s3_port=free_port(), s3_aux_port_base=free_port_range(10, also=(7 + 10000,)),
+                    mlflow_port=free_port(), prefect_port=free_port(), s3_endpoint_url=None, mlflow_tracking_uri=None,
+                    prefect_api_url=None)
 
 
 @pytest.fixture(scope="session")

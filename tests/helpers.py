@@ -19,11 +19,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def free_port_range(count: int) -> int:
-    """The first of `count` consecutive free ports on 127.0.0.1 (the embedded S3 server pins a block of them)."""
-    for _ in range(200):
-        base = free_port()
-        if base + count < 65535 and all(_free(base + i) for i in range(count)):
+def free_port_range(count: int, also: tuple[int, ...] = ()) -> int:
+    """The first of `count` consecutive free ports on 127.0.0.1 (the embedded S3 server pins a block of them);
+    base + each offset in `also` must be free too (SeaweedFS' admin gRPC port is its admin port + 10000)."""
+    import random
+
+    for _ in range(400):
+        base = random.randint(20000, 65535 - count - max(also, default=0))
+        if all(_free(base + i) for i in (*range(count), *also)):
             return base
     raise RuntimeError(f"no {count} consecutive free ports found")
 

@@ -66,6 +66,42 @@ def test_credentials_are_per_install_private_and_enforced(local_stack, env):
     assert ensure_credentials(other_home.stack_dir) != keys  # every install gets its own
 
 
+def test_seaweedfs_runs_clean_and_its_health_reads_through_the_volume_layer(local_stack):
+    """Every port pinned (the admin worker finds its admin), and healthy means an object reads back."""
+    stack, settings = local_stack
+    s3 = {s.name: s for s in stack.status()}["s3"]
+    assert s3.up and s3.rss_mb > 10, s3
+    log = (settings.stack_dir / "s3.log").read_text(errors="replace")
+    assert "connection refused" not in log and "INITIAL CONNECTION FAILED" not in log, log[-2000:]
+    from infra.stack import HEALTH_KEY
+
+    keys = stack.credentials()
+    client = boto3.client("s3", endpoint_url=stack.urls["s3"], region_name="us-east-1",
+                          aws_access_key_id=keys.access_key_id, aws_secret_access_key=keys.secret_access_key)
+    assert client.get_object(Bucket=settings.s3_bucket, Key=HEALTH_KEY)["Body"].read() == b"ok\n"
+
+
+def test_a_stale_pid_reused_by_another_program_is_never_signalled(tmp_path):
+    """After a reboot the recorded pid may belong to someone else: status says stale, down leaves it alone."""
+    from infra.stack import LocalStack, weed_binary
+
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        settings = stack_settings(tmp_path / "home")
+        settings.stack_dir.mkdir(parents=True)
+        (settings.stack_dir / "state.json").write_text(json.dumps(
+            {"s3": {"pid": stranger.pid, "cmd": [weed_binary(), "mini", f"-dir={tmp_path}"], "log": "x"}}))
+        stack = LocalStack(settings)
+        s3 = {s.name: s for s in stack.status()}["s3"]
+        assert not s3.up and s3.pid is None and s3.detail == "stale pid"
+        stack.down(timeout=2)
+        time.sleep(0.5)
+        assert stranger.poll() is None, "down signalled a process it did not start"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
 def test_wrong_key_is_refused_before_any_model_is_loaded(env, tiny_reference_dir, tmp_path):
     bad = {**env, "AWS_SECRET_ACCESS_KEY": "definitely-wrong", "PIPPRUNE_HOME": str(tmp_path / "h")}
     started = time.monotonic()
@@ -76,7 +112,8 @@ def test_wrong_key_is_refused_before_any_model_is_loaded(env, tiny_reference_dir
     assert not (tmp_path / "h" / "work").exists()  # nothing was scored, pruned or written
 
 
-def test_wrong_key_through_the_mlflow_artifact_proxy_is_refused(local_stack, tmp_path):
+def test_wrong_key_through_the_mlflow_artifact_proxy_is_refused(local_stack, tiny_reference_dir, tmp_path,
+                                                                 monkeypatch):
     """An MLflow server holding a wrong key cannot write artifacts: the proxy passes the refusal on."""
     stack, settings = local_stack
     from infra.stack import LocalStack
@@ -104,8 +141,23 @@ def test_wrong_key_through_the_mlflow_artifact_proxy_is_refused(local_stack, tmp
         run = client.create_run(experiment)
         artifact = tmp_path / "a.txt"
         artifact.write_text("x")
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the refusal is final: no backoff minutes
         with pytest.raises(MlflowException):
             client.log_artifact(run.info.run_id, str(artifact))
+        # compress finds out in its preflight, before any model is loaded, not at its first plot
+        from infra.preflight import PreflightError, check_mlflow_artifacts
+
+        url = f"http://127.0.0.1:{port}"
+        with pytest.raises(PreflightError, match="S3 refused its credentials"):
+            check_mlflow_artifacts(url)
+        check_mlflow_artifacts(stack.urls["mlflow"])  # the stack's own server holds the right keys
+        proxied = {**os.environ, **stack.client_env(), "PIPPRUNE_HOME": str(tmp_path / "h"),
+                   "PIPPRUNE_MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_URI": url}
+        done = cli(proxied, *compress_args(tiny_reference_dir, "never-proxied", 1))
+        assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+        assert f"the MLflow server at {url} cannot store artifacts: S3 refused its credentials" in done.stderr
+        assert stack.credentials().secret_access_key not in done.stdout + done.stderr
+        assert not (tmp_path / "h" / "work").exists()
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
 
