@@ -51,6 +51,20 @@ def check_mlflow(uri: str | None) -> None:
     raise PreflightError(f"MLflow at {uri} is not healthy")
 
 
+def _refusal(client, bucket: str) -> str:  # noqa: ANN001 - boto3 client
+    """The server's reason for a 403: HEAD responses carry no body, so ask once more with a GET."""
+    import botocore.exceptions as bce
+
+    try:
+        client.list_objects_v2(Bucket=bucket, MaxKeys=1)
+    except bce.ClientError as exc:
+        error = exc.response.get("Error", {})
+        return f"{error.get('Code', '403')} ({error.get('Message', 'Forbidden')}), access denied"
+    except bce.BotoCoreError as exc:
+        return f"403 ({type(exc).__name__}), access denied"
+    return "403 on HeadBucket, access denied"
+
+
 def check_mlflow_artifacts(uri: str) -> None:
     """The MLflow server's artifact proxy can list its store: a proxy whose S3 keys are refused fails
     here, in a second, instead of at the first plot after minutes of scoring."""
@@ -101,7 +115,7 @@ def check_services(settings: Settings) -> None:
             raise PreflightError(f"S3 bucket {settings.s3_bucket!r} does not exist at {where}") from exc
         code = exc.response.get("Error", {}).get("Code", "")
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch") or status in (401, 403):
-            raise PreflightError(f"S3 refused the credentials for {where}: {code or status} "
+            raise PreflightError(f"S3 refused the credentials for {where}: {_refusal(client, settings.s3_bucket)} "
                                  "(check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY; the embedded stack's keys are in "
                                  f"{settings.stack_dir / 'credentials.json'})") from exc
         raise PreflightError(f"S3 bucket {settings.s3_bucket!r} at {where}: {exc}") from exc

@@ -124,6 +124,7 @@ def test_wrong_credentials_fail_fast_and_register_nothing(workdir, tmp_path):
     finally:
         server.shutdown()
     assert result.exit_code == 1
-    assert "S3 refused the credentials" in result.output
+    assert "S3 refused the credentials for http://127.0.0.1:" in result.output and "access denied" in result.output
+    assert "InvalidAccessKeyId" in result.output  # the server's reason, read with a GET (HEAD has no body)
     assert "AKIAWRONG" not in result.output
     assert not (tmp_path / "home" / "work").exists()
