@@ -123,7 +123,7 @@ def test_wrong_credentials_fail_fast_and_register_nothing(workdir, tmp_path):
         result = run(compress(workdir), env=env)
     finally:
         server.shutdown()
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # refused credentials are bad input (3 is for unreachable)
     assert "S3 refused the credentials" in result.output
     assert "AKIAWRONG" not in result.output
     assert not (tmp_path / "home" / "work").exists()

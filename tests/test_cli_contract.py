@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -167,7 +169,7 @@ def test_json_with_running_stack_then_out_and_overwrite(stack_env, tiny_referenc
                                              tmp_path)
     assert rc == 0, stderr[-3000:]
     assert summary["schema"] == 1 and summary["ok"] is True and summary["registered_model"] == "cli-json"
-    assert "View run" in stderr or "mlflow" in stderr.lower()  # the tracking lines went to stderr, not stdout
+    assert "View run" in stderr  # MLflow writes it to sys.stdout: it went to stderr, not into the document
     assert "starting the embedded stack" not in stderr
     _assert_plain_log(stderr, 2)
     provenance = json.loads((out / "pipprune_provenance.json").read_text())
@@ -192,6 +194,28 @@ def test_json_with_running_stack_then_out_and_overwrite(stack_env, tiny_referenc
     assert refused.returncode == 2 and "my-notes.md" in refused.stderr, refused.stderr[-2000:]
     assert (out / "my-notes.md").read_bytes() == PRECIOUS and (out / "model.safetensors").is_file()
 
+    # Ctrl-C mid-run: exit 130, the one document says so, the MLflow run is marked FAILED
+    log = tmp_path / "interrupted.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "pipprune.cli", *_lean(tiny_reference_dir, "cli-int", "--seed",
+                                                                               "7", "--json")],
+                                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+        deadline = time.monotonic() + 400
+        while "step 1/2" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 130, log.read_text()[-3000:]
+    assert json.loads(stdout) == {"schema": 1, "ok": False, "exit_code": 130, "error": "interrupted"}
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              filter_string="params.registered_model_name = 'cli-int'")
+    assert [r.info.status for r in runs] == ["FAILED"]
+    assert not [v for v in _registry(env) if v[0] == "cli-int"]
+
 
 def _fresh_stack_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPPRUNE_", "MLFLOW_", "PREFECT_", "AWS_"))}
@@ -212,7 +236,8 @@ def test_json_with_auto_started_stack_and_no_auto_stack(tiny_reference_dir, tmp_
     off = cli({**env, "PIPPRUNE_AUTO_STACK": "false"}, *_lean(tiny_reference_dir, "cli-auto"), timeout=300)
     assert off.returncode == 3 and "auto-start is off" in off.stderr
     try:
-        rc, summary, stderr = _pipe_to_json_load(env, _lean(tiny_reference_dir, "cli-auto", "--json"), tmp_path)
+        rc, summary, stderr = _pipe_to_json_load(env, _lean(tiny_reference_dir, "cli-auto", "--method", "magnitude",
+                                                            "--json"), tmp_path)
         assert rc == 0, stderr[-3000:]
         assert summary["schema"] == 1 and summary["registered_model"] == "cli-auto"
         notice = f"starting the embedded stack in {home} (stop: pipprune stack down)"
