@@ -7,7 +7,6 @@ calibrate -> for each step [score units -> select units -> prune -> checkpoint (
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 from prefect import flow
@@ -18,6 +17,7 @@ from flows.records import CompressSummary
 from infra.calibration import CalibrationSource
 from infra.config import CompressConfig
 from infra.locks import run_lock
+from infra.progress import StepProgress
 from infra.settings import Settings
 from pip_core.schedule import plan, step_spec
 from tasks.calibration import prepare_calibration
@@ -39,7 +39,7 @@ run_key_for = records.run_key_for
 
 
 @flow(name="compress", persist_result=False)
-def compress_flow(config: CompressConfig, out_dir: str | None = None) -> CompressSummary:
+def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite: bool = False) -> CompressSummary:
     """Prune `config.model` by `config.ratio` in re-scored steps; track, checkpoint, evaluate, register."""
     # 1. inputs: the source model and the calibration pairs, both content-addressed
     source = resolve_source(config.model)
@@ -52,6 +52,7 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None) -> Compres
         # 2. prune in re-scored steps; each is checkpointed to S3, and a rerun resumes after the last one
         before, done = quick_eval(source.model, calib, max_length), find_resume_point(run_key)
         model, history = records.resumed_history(source.model, before, done[:config.scoring.iterations])
+        progress = StepProgress(config.scoring.iterations)
         for i, cumulative in list(enumerate(plan(config.ratio, config.scoring.iterations), start=1))[len(done):]:
             spec = step_spec(i, cumulative, total, model.num_params, config.seed)
             stats = score_units(model, calib, config.scoring, spec, max_length)
@@ -62,6 +63,7 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None) -> Compres
                                records.step_record(i, selection, metrics, pruned, lineage))
             history.append(records.history_row(i, model, metrics))
             log_iteration(run_id, i, metrics, selection.table_path, list(selection.units), history)
+            progress.step(i, stats.n_units, len(selection.units), total, model.num_params)
         # 3. optional recovery, then the final evaluation of both models and the registered version
         pre_recovery = records.heldout(history[-1]) if config.recovery.enabled else None
         model = _recovery_stage(config, run_key, run_id, lineage, model, calib, source_digest, done, history)
@@ -77,7 +79,7 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None) -> Compres
         log_final(run_id, records.final_metrics(total, model, before, after, source_eval, final_eval),
                   summary.model_dump())
         if out_dir:
-            export(model, Path(out_dir), summary)
+            export(model, Path(out_dir), summary, overwrite)
         return summary
 
 
@@ -106,15 +108,9 @@ def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: 
     return recovered
 
 
-def export(model: ModelRef, out: Path, summary: CompressSummary) -> None:
-    """Copy the final model to `out` atomically, with a provenance file beside the weights."""
+def export(model: ModelRef, out: Path, summary: CompressSummary, overwrite: bool = False) -> None:
+    """Copy the final model to `out` atomically, never over anything pipprune did not write (infra.output_dir)."""
+    from infra.output_dir import write_output_dir
     from tasks.models import ensure_local
 
-    src = ensure_local(model)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    (tmp / "pipprune_provenance.json").write_text(summary.model_dump_json(indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    write_output_dir(ensure_local(model), out, summary.model_dump(mode="json"), overwrite=overwrite)

@@ -13,7 +13,8 @@ ENTRYPOINT = COMPRESS.entrypoint
 
 
 def _parameters(config: CompressConfig, out_dir: str | None) -> dict:
-    return {"config": config.model_dump(mode="json"), "out_dir": out_dir}
+    # each scheduled run replaces the previous run's copy (only ever a pipprune output: see infra.output_dir)
+    return {"config": config.model_dump(mode="json"), "out_dir": out_dir, "overwrite": out_dir is not None}
 
 
 def deploy_to_pool(config: CompressConfig, cron: str | None, name: str, work_pool: str,

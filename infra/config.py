@@ -166,13 +166,27 @@ class CompressConfig(BaseModel):
         return payload
 
 
+def read_yaml_mapping(path: Path, what: str) -> dict:
+    """A YAML/JSON file holding a mapping; a syntax error becomes one line naming the file, line and column."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"{what} {path}: YAML syntax error{where}: {problem}; fix the file") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {path} is not UTF-8 text") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path} must hold a mapping (key: value lines), got {type(data).__name__}")
+    return data
+
+
 def load_config_file(path: Path, **overrides: object) -> CompressConfig:
     """Read a YAML/JSON config file; CLI values given explicitly override file values."""
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+    data = read_yaml_mapping(path, "config file")
     for key, value in overrides.items():
         if value is None:
             continue

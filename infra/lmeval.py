@@ -16,6 +16,24 @@ log = logging.getLogger(__name__)
 _SKIP_SUFFIX = "_stderr"
 
 
+def unknown_tasks(tasks: list[str], include_path: str | Path | None = None) -> list[str]:
+    """Task names that neither `include_path` nor lm-eval's registry defines.
+
+    The local index is instant; lm-eval's default index costs ~22 s, so it is built only for
+    names the local one lacks.
+    """
+    from lm_eval.tasks import TaskManager
+
+    missing = list(tasks)
+    if include_path is not None:
+        local = TaskManager(include_path=str(include_path), include_defaults=False)
+        missing = [t for t in missing if t not in local.all_tasks]
+    if missing:
+        defaults = TaskManager(include_path=str(include_path) if include_path else None)
+        missing = [t for t in missing if t not in defaults.all_tasks]
+    return missing
+
+
 def run_lmeval(model_dir: Path, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
                batch_size: int = 8, device: str | None = None,
                loaded: tuple | None = None) -> dict[str, dict[str, float]]:

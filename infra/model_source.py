@@ -16,10 +16,11 @@ def local_model_dir(model_id: str) -> Path:
     path = Path(model_id).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+            raise ModelNotFoundError(f"model not found: {path} is not a Hugging Face model directory (no config.json)")
         return path.resolve()
     if model_id.startswith((".", "/", "~")) or model_id.count("/") > 1:
-        raise ModelNotFoundError(f"model path does not exist: {model_id}")
+        raise ModelNotFoundError(f"model not found: {model_id} does not exist; pass a local model directory "
+                                 "(with config.json) or a Hugging Face hub id (org/name) to --model")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -28,6 +29,6 @@ def local_model_dir(model_id: str) -> Path:
             "*.json", "*.safetensors", "*.model", "*.txt", "*.py", "tokenizer*"]))
     except (HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, OSError) as exc:
         raise ModelNotFoundError(
-            f"model {model_id!r} is neither a local directory nor available from the Hugging Face "
+            f"model not found: {model_id!r} is neither a local directory nor available from the Hugging Face "
             f"hub/cache ({type(exc).__name__}: {exc})"
         ) from exc

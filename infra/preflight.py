@@ -6,12 +6,18 @@ half-written run behind.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from infra.config import CompressConfig
 from infra.settings import Settings
 
 
 class PreflightError(ValueError):
     """An input or a service is not usable; the message says which and why."""
+
+
+class ServiceUnreachable(PreflightError):
+    """A service (S3, MLflow, Prefect) did not answer: not the input's fault (exit code 3, not 2)."""
 
 
 def check_inputs(config: CompressConfig) -> None:
@@ -23,10 +29,13 @@ def check_inputs(config: CompressConfig) -> None:
 
     local = local_model_dir(config.model)
     model_config = core_io.check_loadable(local)
+    check_weights_intact(local)
     core_io.check_weights(local, model_config)
     core_io.check_tokenizer(local)
     source = CalibrationSource(config.calibration.source, config.calibration.wordlist)
     load_calibration(source.path)
+    if config.evaluation.tasks:
+        check_eval_tasks(config.evaluation.tasks, config.evaluation.include_path)
     plan = plan_memory(model_config, dtype=str(model_config.get("torch_dtype") or model_config.get("dtype") or
                                              "float32").replace("torch.", ""), seq_len=config.calibration.max_length)
     free = available_bytes("cpu")
@@ -47,8 +56,25 @@ def check_mlflow(uri: str | None) -> None:
             if response.status == 200:
                 return
     except OSError as exc:
-        raise PreflightError(f"cannot reach MLflow at {uri}: {exc}") from exc
-    raise PreflightError(f"MLflow at {uri} is not healthy")
+        raise ServiceUnreachable(f"cannot reach MLflow at {uri}: {exc}; start it, or fix "
+                                 "PIPPRUNE_MLFLOW_TRACKING_URI") from exc
+    raise ServiceUnreachable(f"MLflow at {uri} is not healthy")
+
+
+def check_prefect(url: str | None) -> None:
+    """A Prefect API server, when one is configured, must answer its health check."""
+    import urllib.request
+
+    if not url:
+        return
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as response:  # noqa: S310
+            if response.status == 200:
+                return
+    except OSError as exc:
+        raise ServiceUnreachable(f"cannot reach the Prefect API at {url}: {exc}; start it, or fix "
+                                 "PIPPRUNE_PREFECT_API_URL") from exc
+    raise ServiceUnreachable(f"the Prefect API at {url} is not healthy")
 
 
 def _refusal(client, bucket: str) -> str:  # noqa: ANN001 - boto3 client
@@ -120,11 +146,13 @@ def check_services(settings: Settings) -> None:
                                  f"{settings.stack_dir / 'credentials.json'})") from exc
         raise PreflightError(f"S3 bucket {settings.s3_bucket!r} at {where}: {exc}") from exc
     except (bce.EndpointConnectionError, bce.ConnectTimeoutError) as exc:
-        raise PreflightError(f"cannot reach S3 at {where}: {exc}") from exc
+        raise ServiceUnreachable(f"cannot reach S3 at {where}: {exc}; start it, or fix PIPPRUNE_S3_ENDPOINT_URL") \
+            from exc
     uri = settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     check_mlflow(uri)
     if uri and uri.startswith(("http://", "https://")):
         check_mlflow_artifacts(uri)
+    check_prefect(settings.prefect_api_url or os.environ.get("PREFECT_API_URL"))
     check_signing_key(settings)
 
 
@@ -136,3 +164,45 @@ def check_signing_key(settings: Settings) -> None:
         resolve_signing_key(settings)
     except SigningError as exc:
         raise PreflightError(str(exc)) from exc
+
+
+def check_weights_intact(model_dir: Path) -> None:
+    """Every safetensors file is as long as its header says: a truncated copy is named before any load."""
+    import json
+    import struct
+
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        size = path.stat().st_size
+        fix = "re-download or re-copy the model"
+        try:
+            with path.open("rb") as fh:
+                (header_len,) = struct.unpack("<Q", fh.read(8))
+                if header_len > min(size - 8, 100 * 2**20):
+                    raise PreflightError(f"{path} is truncated or not a safetensors file (header length "
+                                         f"{header_len} bytes, file {size} bytes); {fix}")
+                header = json.loads(fh.read(header_len))
+        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+            if isinstance(exc, PreflightError):
+                raise
+            raise PreflightError(f"{path} is truncated or corrupt (unreadable safetensors header: {exc}); {fix}") \
+                from exc
+        ends = [entry["data_offsets"][1] for name, entry in header.items()
+                if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry]
+        expected = 8 + header_len + max(ends, default=0)
+        if size != expected:
+            raise PreflightError(f"{path} is truncated or corrupt: its header describes {expected:,} bytes but the "
+                                 f"file has {size:,}; {fix}")
+
+
+def check_eval_tasks(tasks: tuple[str, ...], include_path: str | None) -> None:
+    """Every evaluation task exists, found before calibration, scoring and pruning rather than after."""
+    from infra.lmeval import unknown_tasks
+
+    if include_path is not None and not Path(include_path).is_dir():
+        raise PreflightError(f"lm-eval include path not found: {include_path} (--include-path / "
+                             "evaluation.include_path)")
+    unknown = unknown_tasks(list(tasks), include_path)
+    if unknown:
+        where = f"in {include_path} or " if include_path else ""
+        raise PreflightError(f"unknown lm-eval task(s) {', '.join(unknown)}: not {where}in lm-eval's task registry; "
+                             "fix --tasks (evaluation.tasks), or point --include-path at the task YAMLs")

@@ -44,11 +44,12 @@ class PromotionGates(BaseModel):
 
     @classmethod
     def from_file(cls, path: Path) -> "PromotionGates":
-        if not path.is_file():
-            raise PromotionError(f"gate file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise PromotionError(f"gate file {path} must hold a mapping")
+        from infra.config import read_yaml_mapping
+
+        try:
+            data = read_yaml_mapping(path, "gate file")
+        except (FileNotFoundError, ValueError) as exc:
+            raise PromotionError(str(exc)) from None
         return cls(**data.get("gates", data))
 
 

@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     registered_model_name: str = "pipprune-model"
     signing_key: Path | None = Field(None, description="PEM EC private key that signs every registered model "
                                      "(OpenSSF model-signing); default: the install's key under home/keys")
+    auto_stack: bool = Field(True, description="start the embedded stack when it is down and no endpoint is set; "
+                                               "false (or --no-auto-stack) makes that an error, for schedulers")
 
     @field_validator("home")
     @classmethod

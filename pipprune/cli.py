@@ -1,11 +1,13 @@
 """The `pipprune` command line. Heavy imports (torch, prefect, mlflow) happen inside commands.
 
-Exit codes: 0 success, 1 a failed run or check, 2 bad input (named in the message).
+Exit codes: 0 success; 1 a verification or gate failed, or a run failed; 2 bad input (named in the
+message, with the fix); 3 a service unreachable; 130 interrupted. `--debug` shows tracebacks.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -16,8 +18,19 @@ from pipprune.commands import keys as keys_cmd
 from pipprune.commands import promote as promote_cmd
 from pipprune.commands import reference as reference_cmd
 from pipprune.commands import stack as stack_cmd
+from pipprune.commands.common import (
+    BAD_INPUT,
+    FAILED,
+    INTERRUPTED,
+    UNREACHABLE,
+    CliError,
+    fail,
+    json_output,
+    print_error,
+    validation_message,
+)
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Auditable PIP pruning of causal LMs: compress, evaluate, trace, promote.")
 app.add_typer(stack_cmd.app, name="stack", help="Local S3 / MLflow / Prefect stack on 127.0.0.1.")
 app.add_typer(reference_cmd.app, name="reference", help="Build the offline reference model and tasks.")
@@ -26,10 +39,10 @@ app.command("lineage")(promote_cmd.lineage)
 app.command("promote")(promote_cmd.promote)
 
 
-def fail(message: str, code: int = 2) -> None:
-    """Print a one-line error to stderr and exit (2 = bad input, 1 = failed run)."""
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="show Python tracebacks (accepted anywhere on the "
+                                     "command line)")) -> None:
+    """Options for every command; `--debug` itself is read by `main`."""
 
 
 @app.command()
@@ -53,75 +66,118 @@ def compress(
     recovery_steps: Optional[int] = typer.Option(None, help="LoRA recovery steps after pruning, merged back "
                                                  "(0 = off) [default: 0]"),
     config: Optional[Path] = typer.Option(None, help="YAML/JSON config file (CLI options override it)"),
-    out: Optional[Path] = typer.Option(None, help="also copy the final model here"),
-    json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+    out: Optional[Path] = typer.Option(None, help="also copy the final model to this new or empty directory"),
+    overwrite: bool = typer.Option(False, help="let --out replace a previous pipprune output (never anything else)"),
+    json_out: bool = typer.Option(False, "--json", help="print the summary as one JSON document (logs: stderr)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars and no per-step lines"),
+    auto_stack: Optional[bool] = typer.Option(None, "--auto-stack/--no-auto-stack",
+                                              help="start the embedded stack if it is down [default: "
+                                                   "PIPPRUNE_AUTO_STACK, true]"),
 ) -> None:
     """Prune a model with PIP (or a baseline) end to end: track, checkpoint, evaluate, register."""
+    from infra import progress
+
+    progress.configure(progress.choose_mode(quiet, sys.stderr.isatty()))
+    with json_output(json_out) as doc:
+        cfg = _compress_config(model, config, calibration, include_path, tasks, dict(
+            ratio=ratio, unit=unit, width_mode=width_mode, method=method, iterations=iterations,
+            wordlist=wordlist, n_samples=n_samples, seed=seed, eval_limit=eval_limit, registered_model_name=name,
+            recovery=None if recovery_steps is None else {"steps": recovery_steps}))
+        out_dir = _check_out(out, overwrite)
+        _check_inputs(cfg)
+        settings = _runtime(auto_stack)
+        summary = _run_compress(cfg, out_dir, overwrite)
+        if json_out:
+            doc.emit({"ok": True, **summary.model_dump(mode="json")})
+        else:
+            _print_summary(summary, settings)
+
+
+def _compress_config(model: str, config: Path | None, calibration: str | None, include_path: str | None,
+                     tasks: str | None, options: dict):  # noqa: ANN202 - infra.config.CompressConfig, lazily
+    """The validated job config from the options and the config file; every problem is bad input (exit 2)."""
     from pydantic import ValidationError
 
     from infra.config import CompressConfig, load_config_file
+    from infra.model_source import ModelNotFoundError, local_model_dir
 
-    default_calibration = calibration
-    if default_calibration is None and not config:
-        candidate = Path(model) / "calibration" / "calibration.jsonl"
-        if not candidate.is_file():
+    if calibration is None and not config:
+        try:
+            local = local_model_dir(model)  # "model not found" comes before "--calibration is required"
+        except ModelNotFoundError as exc:
+            fail(str(exc))
+        if not (local / "calibration" / "calibration.jsonl").is_file():
             fail("--calibration is required (a JSONL/TXT file of texts, or a reference model directory)")
-        default_calibration = model
+        calibration = model
     if include_path is None and tasks is None and (Path(model) / "tasks").is_dir():
         include_path = str(Path(model) / "tasks")
         tasks = ",".join(sorted(p.stem for p in Path(include_path).glob("*.yaml")))
-    fields = dict(model=model, ratio=ratio, unit=unit, width_mode=width_mode, method=method, iterations=iterations,
-                  calibration=default_calibration, wordlist=wordlist, n_samples=n_samples, seed=seed,
-                  eval_tasks=tasks, eval_include_path=str(Path(include_path).resolve()) if include_path else None,
-                  eval_limit=eval_limit, registered_model_name=name,
-                  recovery=None if recovery_steps is None else {"steps": recovery_steps})
+    fields = dict(model=model, calibration=calibration, eval_tasks=tasks,
+                  eval_include_path=str(Path(include_path).resolve()) if include_path else None, **options)
     try:
         if config is not None:
-            cfg = load_config_file(config, **fields)
-        else:
-            cfg = CompressConfig(**{k: v for k, v in fields.items() if v is not None})
+            return load_config_file(config, **fields)
+        return CompressConfig(**{k: v for k, v in fields.items() if v is not None})
     except (ValidationError, ValueError, FileNotFoundError) as exc:
-        fail(_validation_message(exc))
-    from infra.preflight import PreflightError, check_inputs, check_services
+        fail(("config: " if config is None else f"{config}: ") + validation_message(exc)
+             if isinstance(exc, ValidationError) else validation_message(exc))
 
-    try:  # fail fast on inputs, before any server is started or contacted
-        check_inputs(cfg)
-    except (PreflightError, ValueError, FileNotFoundError) as exc:
+
+def _check_out(out: Path | None, overwrite: bool) -> str | None:
+    from infra.output_dir import OutputDirError, check_output_dir
+
+    if out is None:
+        return None
+    try:
+        return str(check_output_dir(out, overwrite))
+    except OutputDirError as exc:
         fail(str(exc))
-    from infra.runtime import prepare_runtime
 
+
+def _check_inputs(cfg) -> None:  # noqa: ANN001
+    """Model, weights, tokenizer, calibration, evaluation tasks: before any server is started or contacted."""
+    from infra.preflight import PreflightError, check_inputs
+
+    try:
+        check_inputs(cfg)
+    except (PreflightError, ValueError, OSError) as exc:
+        fail(str(exc))
+
+
+def _runtime(auto_stack: bool | None):  # noqa: ANN202 - infra.settings.Settings
+    """Settings applied, the stack up (or started, or refused), S3/MLflow/Prefect answering with these keys."""
+    from pydantic import ValidationError
+
+    from infra.preflight import PreflightError, ServiceUnreachable, check_services
+    from infra.runtime import StackDown, prepare_runtime
     from infra.stack import StackError
 
     try:
-        settings = prepare_runtime()
+        settings = prepare_runtime(auto_stack=auto_stack)
         check_services(settings)
     except ValidationError as exc:
-        fail("settings: " + _validation_message(exc))
-    except (PreflightError, StackError) as exc:
-        fail(str(exc), code=1)
-    from flows.compress import compress_flow
+        fail("settings (PIPPRUNE_* environment): " + validation_message(exc))
+    except (ServiceUnreachable, StackDown, StackError) as exc:
+        fail(str(exc), code=UNREACHABLE)
+    except PreflightError as exc:
+        fail(str(exc))
+    return settings
 
+
+def _run_compress(cfg, out_dir: str | None, overwrite: bool):  # noqa: ANN001, ANN202
+    from flows.compress import compress_flow
+    from infra.output_dir import OutputDirError
     from infra.runtime import prefect_settings
 
     try:
         with prefect_settings():
-            summary = compress_flow(cfg, out_dir=str(out.resolve()) if out else None)
-    except ValueError as exc:
+            return compress_flow(cfg, out_dir=out_dir, overwrite=overwrite)
+    except OutputDirError as exc:
         fail(str(exc))
+    except (KeyboardInterrupt, CliError):
+        raise
     except Exception as exc:  # noqa: BLE001 - report, exit non-zero
-        fail(f"compress failed: {type(exc).__name__}: {exc}", code=1)
-    if json_out:
-        print(summary.model_dump_json(indent=1))
-    else:
-        _print_summary(summary, settings)
-
-
-def _validation_message(exc: Exception) -> str:
-    from pydantic import ValidationError
-
-    if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-    return str(exc)
+        fail(f"compress failed: {type(exc).__name__}: {exc}", code=FAILED)
 
 
 def _print_summary(summary, settings) -> None:  # noqa: ANN001 - rich output only
@@ -160,23 +216,33 @@ def eval_cmd(
     include_path: Optional[Path] = typer.Option(None, help="directory of local lm-eval task YAMLs"),
     limit: Optional[int] = typer.Option(None, help="limit examples per task"),
 ) -> None:
-    """Evaluate a model directory with lm-eval; prints JSON {task: {metric: value}} on stdout."""
-    from infra.runtime import prepare_runtime
+    """Evaluate a model directory with lm-eval; stdout: {"schema": 1, "results": {task: {metric: value}}}."""
+    from infra import progress
 
-    prepare_runtime(start_stack=False)
-    from infra.lmeval import run_lmeval
+    progress.configure(progress.choose_mode(False, sys.stderr.isatty()))
+    with json_output(True) as doc:
+        from infra.runtime import prepare_runtime
 
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    if not names:
-        fail("--tasks is empty")
-    if not Path(model).is_dir():
-        fail(f"model directory not found: {model}")
-    try:
-        results = run_lmeval(Path(model), names, include_path=include_path, limit=limit)
-    except (ValueError, KeyError, FileNotFoundError) as exc:
-        fail(f"evaluation failed: {exc}")
-    json.dump(results, sys.stdout, indent=1)
-    sys.stdout.write("\n")
+        prepare_runtime(start_stack=False)
+        names = [t.strip() for t in tasks.split(",") if t.strip()]
+        if not names:
+            fail("--tasks is empty")
+        if not Path(model).is_dir():
+            fail(f"model not found: {model} is not a directory")
+        from infra.preflight import PreflightError, check_eval_tasks, check_weights_intact
+
+        try:
+            check_weights_intact(Path(model))
+            check_eval_tasks(tuple(names), str(include_path) if include_path else None)
+        except PreflightError as exc:
+            fail(str(exc))
+        from infra.lmeval import run_lmeval
+
+        try:
+            results = run_lmeval(Path(model), names, include_path=include_path, limit=limit)
+        except (ValueError, KeyError, FileNotFoundError) as exc:
+            fail(f"evaluation failed: {exc}", code=FAILED)
+        doc.emit({"ok": True, "model": model, "results": results})
 
 
 @app.command("plan")
@@ -233,7 +299,10 @@ def schedule(
     cron: str = typer.Option(..., help="cron expression, e.g. '0 3 * * 1'"),
     name: str = typer.Option("scheduled-compress", help="deployment name"),
     work_pool: Optional[str] = typer.Option(None, help="deploy to this Prefect work pool instead of serving here"),
-    out: Optional[Path] = typer.Option(None, help="copy each run's final model here"),
+    out: Optional[Path] = typer.Option(None, help="copy each run's final model here (replacing the previous run's "
+                                       "copy; a directory pipprune did not write is refused)"),
+    auto_stack: Optional[bool] = typer.Option(None, "--auto-stack/--no-auto-stack",
+                                              help="start the embedded stack if it is down [default: true]"),
 ) -> None:
     """Run compress on a cron schedule: served by this process, or by a team's work pool workers."""
     from pydantic import ValidationError
@@ -246,15 +315,13 @@ def schedule(
         CronSchedule(cron=cron)
         cfg = load_config_file(config)
     except (ValidationError, ValueError, FileNotFoundError) as exc:
-        fail(_validation_message(exc))
-    from infra.runtime import prepare_runtime
-
-    prepare_runtime()
+        fail(f"{config}: " + validation_message(exc) if isinstance(exc, ValidationError) else validation_message(exc))
+    out_dir = _check_out(out, overwrite=True)
+    _check_inputs(cfg)
+    _runtime(auto_stack)
     from flows.schedule import deploy_to_pool, serve_locally
-
     from infra.runtime import prefect_settings
 
-    out_dir = str(out.resolve()) if out else None
     with prefect_settings():
         if work_pool:
             deployment_id = deploy_to_pool(cfg, cron, name, work_pool, out_dir)
@@ -264,5 +331,30 @@ def schedule(
             serve_locally(cfg, cron, name, out_dir)
 
 
+def main(argv: list[str] | None = None) -> None:
+    """The console script: one line and an exit code for every failure; a traceback only with --debug."""
+    import click
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    if debug:
+        os.environ["PIPPRUNE_DEBUG"] = "1"
+    try:
+        code = app(args=args, prog_name="pipprune", standalone_mode=False)
+    except click.ClickException as exc:  # usage errors: unknown option, missing value
+        exc.show()
+        code = BAD_INPUT
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        print_error("interrupted")
+        code = INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - the catch-all that keeps tracebacks behind --debug
+        if debug:
+            raise
+        print_error(f"{type(exc).__name__}: {exc} (rerun with --debug for the traceback)")
+        code = FAILED
+    sys.exit(code if isinstance(code, int) else 0)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    app()
+    main()

@@ -123,7 +123,7 @@ def test_wrong_credentials_fail_fast_and_register_nothing(workdir, tmp_path):
         result = run(compress(workdir), env=env)
     finally:
         server.shutdown()
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # refused credentials are bad input (3 is for unreachable)
     assert "S3 refused the credentials for http://127.0.0.1:" in result.output and "access denied" in result.output
     assert "InvalidAccessKeyId" in result.output  # the server's reason, read with a GET (HEAD has no body)
     assert "AKIAWRONG" not in result.output

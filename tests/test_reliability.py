@@ -96,7 +96,7 @@ def test_mlflow_unavailable_fails_fast_and_writes_nothing(env, tiny_reference_di
             "PIPPRUNE_S3_BUCKET": "nomlflow", "PIPPRUNE_HOME": str(tmp_path / "h")}
     s3_of(env).create_bucket(Bucket="nomlflow")
     done = cli(dead, *compress_args(tiny_reference_dir, "rel-nomlflow"))
-    assert done.returncode == 1 and "cannot reach MLflow" in done.stderr
+    assert done.returncode == 3 and "cannot reach MLflow" in done.stderr  # 3: a service unreachable
     assert "Contents" not in s3_of(env).list_objects_v2(Bucket="nomlflow")
 
 

@@ -7,10 +7,19 @@ from typing import Optional
 
 import typer
 
+from pipprune.commands.common import FAILED, UNREACHABLE, json_output
+from pipprune.commands.common import fail as _fail
 
-def _fail(message: str, code: int = 2) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
+
+def _runtime():  # noqa: ANN202 - infra.settings.Settings
+    """Settings applied and the stack up; a stack that cannot be started or is off is exit code 3."""
+    from infra.runtime import StackDown, prepare_runtime
+    from infra.stack import StackError
+
+    try:
+        return prepare_runtime()
+    except (StackDown, StackError) as exc:
+        _fail(str(exc), code=UNREACHABLE)
 
 
 def lineage(
@@ -22,26 +31,25 @@ def lineage(
 ) -> None:
     """Print the chain behind a model version, re-verify every hash and the model signature; exit 1 on any mismatch."""
     key = _public_key(public_key)
-    from infra.runtime import prepare_runtime
+    with json_output(json_out) as doc:
+        settings = _runtime()
+        from infra.lineage import LineageError, trace
+        from infra.mlflow_utils import mlflow_client
+        from infra.s3store import CheckpointStore
+        from infra.signing import check_version_signature
 
-    settings = prepare_runtime()
-    from infra.lineage import LineageError, trace
-    from infra.mlflow_utils import mlflow_client
-    from infra.s3store import CheckpointStore
-    from infra.signing import check_version_signature
-
-    try:
-        result = trace(mlflow_client(), lambda run_key: CheckpointStore.from_settings(settings, run_key), name, version,
-                       verify_signature=lambda tags, store: check_version_signature(
-                           tags, store, key or _install_public_key(settings), settings.work_dir))
-    except LineageError as exc:
-        _fail(str(exc))
-    if json_out:
-        print(result.model_dump_json(indent=1))
-    else:
-        _print_lineage(result)
-    if result.problems:
-        raise typer.Exit(1)
+        try:
+            result = trace(mlflow_client(), lambda run_key: CheckpointStore.from_settings(settings, run_key), name,
+                           version, verify_signature=lambda tags, store: check_version_signature(
+                               tags, store, key or _install_public_key(settings), settings.work_dir))
+        except LineageError as exc:
+            _fail(str(exc))
+        if json_out:
+            doc.emit({"ok": not result.problems, **result.model_dump(mode="json")})
+        else:
+            _print_lineage(result)
+        if result.problems:
+            raise typer.Exit(FAILED)
 
 
 def _public_key(path: Path | None) -> bytes | None:
@@ -140,10 +148,8 @@ def promote(
         _fail("gate file: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
     except PromotionError as exc:
         _fail(str(exc))
-    from infra.runtime import prepare_runtime
-
     key = _public_key(public_key)
-    settings = prepare_runtime()
+    settings = _runtime()
     from infra.mlflow_utils import mlflow_client
     from infra.promotion import promote as do_promote
 
@@ -156,5 +162,5 @@ def promote(
         mark = "PASS" if gate.passed else "FAIL"
         typer.echo(f"{mark} {gate.gate}: {gate.detail}")
     if not outcome.promoted:
-        _fail(f"{name} v{version} not promoted to {alias!r}: failing gates listed above", code=1)
+        _fail(f"{name} v{version} not promoted to {alias!r}: failing gates listed above", code=FAILED)
     typer.echo(f"{name} v{version} is {alias!r}" + ("" if outcome.changed else " (already; nothing changed)"))

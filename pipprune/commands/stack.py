@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import typer
+
+from pipprune.commands.common import BAD_INPUT, UNREACHABLE, fail, json_output
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -19,11 +20,11 @@ def _stack():  # noqa: ANN202
     return LocalStack(settings)
 
 
-def _print(statuses, as_json: bool) -> None:  # noqa: ANN001
+def _print(statuses, doc) -> None:  # noqa: ANN001
     from infra.stack import LocalStack
 
-    if as_json:
-        print(json.dumps(LocalStack.as_dicts(statuses), indent=1))
+    if doc.enabled:
+        doc.emit({"ok": all(s.up for s in statuses), "services": LocalStack.as_dicts(statuses)})
         return
     for s in statuses:
         mark = typer.style("up  ", fg=typer.colors.GREEN) if s.up else typer.style("down", fg=typer.colors.RED)
@@ -38,22 +39,21 @@ def up(json_out: bool = typer.Option(False, "--json")) -> None:
     from infra.signing import SigningError
     from infra.stack import StackError
 
-    stack = _stack()
-    started = time.monotonic()
-    try:
-        statuses = stack.up(wait=True)
-    except SigningError as exc:  # PIPPRUNE_SIGNING_KEY names a missing or unusable key
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from exc
-    except StackError as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(3) from exc
-    _print(statuses, json_out)
-    if not json_out:
-        typer.echo(f"healthy in {time.monotonic() - started:.1f} s; client environment "
-                   f"(S3 keys stay in {stack.dir / 'credentials.json'}, mode 0600):")
-        for key, value in stack.public_env().items():
-            typer.echo(f"  export {key}={value}")
+    with json_output(json_out) as doc:
+        stack = _stack()
+        started = time.monotonic()
+        try:
+            statuses = stack.up(wait=True)
+        except SigningError as exc:  # PIPPRUNE_SIGNING_KEY names a missing or unusable key
+            fail(str(exc), code=BAD_INPUT)
+        except StackError as exc:
+            fail(str(exc), code=UNREACHABLE)
+        _print(statuses, doc)
+        if not json_out:
+            typer.echo(f"healthy in {time.monotonic() - started:.1f} s; client environment "
+                       f"(S3 keys stay in {stack.dir / 'credentials.json'}, mode 0600):")
+            for key, value in stack.public_env().items():
+                typer.echo(f"  export {key}={value}")
 
 
 @app.command()
@@ -65,8 +65,9 @@ def down() -> None:
 
 @app.command()
 def status(json_out: bool = typer.Option(False, "--json")) -> None:
-    """Show each service; exit 1 if any is down."""
-    statuses = _stack().status()
-    _print(statuses, json_out)
-    if not all(s.up for s in statuses):
-        raise typer.Exit(1)
+    """Show each service; exit 3 (a service unreachable) if any is down."""
+    with json_output(json_out) as doc:
+        statuses = _stack().status()
+        _print(statuses, doc)
+        if not all(s.up for s in statuses):
+            raise typer.Exit(UNREACHABLE)

@@ -1,0 +1,69 @@
+"""How a run shows progress: live bars on a terminal, one plain line per step in a log, or nothing.
+
+Bars rewrite one line with carriage returns: right on a terminal, but in a CI or scheduler log they
+become single lines many kilobytes long that say nothing about how far a run is. So outside a
+terminal every tqdm bar (pipprune's, lm-eval's, transformers', datasets') is switched off through
+their environment variables and each pruning step logs one line instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Literal
+
+Mode = Literal["bar", "log", "off"]
+
+_BARS_OFF = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+
+
+def choose_mode(quiet: bool, terminal: bool) -> Mode:
+    return "off" if quiet else ("bar" if terminal else "log")
+
+
+def configure(mode: Mode) -> None:
+    """Apply `mode` to this process (before torch, transformers or Prefect are imported)."""
+    os.environ["PIPPRUNE_PROGRESS"] = mode
+    if mode != "bar":
+        os.environ.update(_BARS_OFF)
+    if mode == "off":
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
+def current_mode() -> Mode:
+    mode = os.environ.get("PIPPRUNE_PROGRESS", "log")
+    return mode if mode in ("bar", "log", "off") else "log"  # type: ignore[return-value]
+
+
+class StepProgress:
+    """One line per pruning step: `step i/n: scored U units, removed R, params P -> Q (-x%), elapsed T`."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.started = steps, time.monotonic()
+
+    def line(self, step: int, units_scored: int, units_removed: int, params_before: int, params_now: int) -> str:
+        removed = params_before - params_now
+        return (f"step {step}/{self.steps}: scored {units_scored} units, removed {units_removed}; params "
+                f"{params_before:,} -> {params_now:,} (-{removed / max(params_before, 1):.1%}), "
+                f"elapsed {time.monotonic() - self.started:.0f}s")
+
+    def step(self, step: int, units_scored: int, units_removed: int, params_before: int, params_now: int) -> None:
+        if current_mode() == "off":
+            return
+        _logger().info(self.line(step, units_scored, units_removed, params_before, params_now))
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    """The flow run's logger inside a flow (the line also reaches the Prefect UI), else a plain one."""
+    try:
+        from prefect.exceptions import MissingContextError
+        from prefect.logging import get_run_logger
+
+        try:
+            return get_run_logger()
+        except MissingContextError:
+            pass
+    except ImportError:
+        pass
+    return logging.getLogger("pipprune.progress")
