@@ -30,7 +30,7 @@ from tasks.registry import register_model
 from tasks.resume import find_resume_point
 from tasks.scoring import score_units, select_units
 from tasks.signing import sign_checkpoint
-from tasks.tracking import log_final, log_iteration, log_recovery, tracking_run
+from tasks.tracking import log_datasets, log_final, log_iteration, log_recovery, tracking_run
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     lineage = records.lineage_tags(config, run_key, source, calib, str(flow_run.id))
     max_length, total = config.calibration.max_length, source.model.num_params
     with run_lock(Settings(), run_key), tracking_run(run_key, records.run_params(config, calib), lineage) as run_id:
+        log_datasets(run_id, config.calibration.source, calib)
         # 2. prune in re-scored steps; each is checkpointed to S3, and a rerun resumes after the last one
         before, done = quick_eval(source.model, calib, max_length), find_resume_point(run_key)
         model, history = records.resumed_history(source.model, before, done[:config.scoring.iterations])
@@ -72,7 +73,7 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
         source_eval = evaluate(source.model, ev.tasks, ev.include_path, content, ev.limit)
         after = records.heldout(history[-1])
         signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3
-        version = register_model(config.registered_model_name, model.s3_uri, run_id,
+        version = register_model(config.registered_model_name, model, run_id,
                                  records.version_tags(config, lineage, model, run_id, signature))
         summary = records.summary(config, run_key, run_id, version, model, total, before, after, source_eval,
                                   final_eval, len(done), pre_recovery, out_dir)

@@ -53,6 +53,9 @@ class Lineage(BaseModel):
     iterations: list[IterationRecord]
     signature: SignatureCheck | None = None  # None: not checked (the caller passed no verifier)
     problems: list[str]
+    #: the run's MLflow dataset inputs by context ("calibration", "evaluation"): digest, source, name
+    datasets: dict[str, dict[str, str]] = {}
+    logged_model_id: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -130,6 +133,9 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
             problems.append("final model fingerprint in S3 differs from the registered one")
         if not (tags.get("pipprune.s3_uri") or "").startswith(final.uri):
             problems.append(f"registered S3 URI {tags.get('pipprune.s3_uri')} is not under {final.uri}")
+        problems.extend(_check_mlflow_model(mv, tags, final, store))
+    datasets = run_datasets(run)
+    problems.extend(_check_datasets(datasets, tags))
     signature = verify_signature(tags, store) if verify_signature is not None else None
     if signature is not None:
         problems.extend(signature.problems)
@@ -139,5 +145,65 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
         calibration_hash=tags.get("pipprune.calibration_hash", ""), config_digest=tags.get("pipprune.config_digest", ""),
         code_digest=tags.get("pipprune.code_digest", ""), git_sha=tags.get("pipprune.git_sha", ""),
         prefect_flow_run_id=tags.get("pipprune.prefect_flow_run_id", ""), mlflow_run_id=run_id,
-        final_s3_uri=tags.get("pipprune.s3_uri", ""), config=config, iterations=iterations, problems=problems)
+        final_s3_uri=tags.get("pipprune.s3_uri", ""), config=config, iterations=iterations, problems=problems,
+        datasets=datasets, logged_model_id=getattr(mv, "model_id", None))
+
+
+def run_datasets(run) -> dict[str, dict[str, str]]:  # noqa: ANN001
+    """The run's dataset inputs keyed by their `mlflow.data.context` tag."""
+    found: dict[str, dict[str, str]] = {}
+    for item in getattr(run.inputs, "dataset_inputs", None) or []:
+        context = next((t.value for t in item.tags if t.key == "mlflow.data.context"), "")
+        found[context] = {"name": item.dataset.name, "digest": item.dataset.digest, "source": item.dataset.source,
+                          "source_type": item.dataset.source_type}
+    return found
+
+
+def _check_datasets(datasets: dict[str, dict[str, str]], tags: dict[str, str]) -> list[str]:
+    """Version tags pipprune.dataset.<context>.digest must match the run's inputs; calibration matches its hash."""
+    problems = []
+    for key, digest in tags.items():
+        if not (key.startswith("pipprune.dataset.") and key.endswith(".digest")):
+            continue
+        context = key[len("pipprune.dataset."):-len(".digest")]
+        logged = datasets.get(context, {}).get("digest")
+        if logged != digest:
+            problems.append(f"dataset {context}: version says digest {digest}, the run's input says {logged}")
+    calibration = tags.get("pipprune.dataset.calibration.digest")
+    if calibration and not tags.get("pipprune.calibration_hash", "").startswith(calibration):
+        problems.append(f"dataset calibration: digest {calibration} is not the calibration hash "
+                        f"{tags.get('pipprune.calibration_hash', '')[:32]}")
+    return problems
+
+
+def _check_mlflow_model(mv, tags: dict[str, str], final, store) -> list[str]:  # noqa: ANN001
+    """A version registered as an MLflow model: its source is the final checkpoint, its files hash as listed."""
+    import json
+
+    from infra.hashing import sha256_bytes
+    from infra.mlflow_model import FILES_MANIFEST
+    from infra.s3store import split_uri
+
+    expected = tags.get("pipprune.mlflow_files_sha256")
+    if expected is None:
+        return []  # registered before versions were MLflow models: nothing more to check
+    problems = []
+    if mv.source.rstrip("/") != final.uri.rstrip("/"):
+        problems.append(f"version source {mv.source} is not the final checkpoint {final.uri}")
+    _, base = split_uri(final.uri)
+    try:
+        body = store.client.get_object(Bucket=store.bucket, Key=base + FILES_MANIFEST)["Body"].read()
+    except store.client.exceptions.NoSuchKey:
+        return [*problems, f"{final.uri}{FILES_MANIFEST}: missing (the MLflow model files are not listed)"]
+    if sha256_bytes(body) != expected:
+        problems.append(f"{final.uri}{FILES_MANIFEST}: sha256 {sha256_bytes(body)[:12]} != registered {expected[:12]}")
+    for rel, digest in sorted(json.loads(body).items()):
+        try:
+            data = store.client.get_object(Bucket=store.bucket, Key=base + rel)["Body"].read()
+        except store.client.exceptions.NoSuchKey:
+            problems.append(f"{final.uri}{rel}: missing")
+            continue
+        if sha256_bytes(data) != digest:
+            problems.append(f"{final.uri}{rel}: sha256 {sha256_bytes(data)[:12]} != listed {digest[:12]}")
+    return problems
 

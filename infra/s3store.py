@@ -111,20 +111,23 @@ class CheckpointStore:
         self.client.delete_object(Bucket=self.bucket, Key=base + MANIFEST)
         entries: dict[str, dict[str, Any]] = {}
         for rel, digest in files.items():
-            path = local_dir / rel
-            self.client.upload_file(str(path), self.bucket, base + rel,
-                                    ExtraArgs={"Metadata": {"sha256": digest}})
-            head = self.client.head_object(Bucket=self.bucket, Key=base + rel)
-            size = path.stat().st_size
-            if head["ContentLength"] != size or head.get("Metadata", {}).get("sha256") != digest:
-                raise UploadVerificationError(f"s3://{self.bucket}/{base}{rel} did not verify after upload")
-            entries[rel] = {"sha256": digest, "size": size}
+            entries[rel] = {"sha256": digest, "size": self.put_verified(local_dir / rel, base + rel, digest)}
         manifest = {"run_key": self.run_key, "iteration": iteration, "files": entries,
                     "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "metadata": metadata}
         body = json.dumps(manifest, indent=1, sort_keys=True, default=str).encode()
         self.client.put_object(Bucket=self.bucket, Key=base + MANIFEST, Body=body, ContentType="application/json")
         return CheckpointRef(iteration=iteration, uri=self.iteration_uri(iteration), manifest_sha256=sha256_bytes(body),
                              files=entries, metadata=metadata)
+
+    def put_verified(self, path: Path, key: str, digest: str | None = None) -> int:
+        """Upload one file with its sha256 as object metadata and check the read-back; returns its size."""
+        digest = digest or sha256_file(path)
+        self.client.upload_file(str(path), self.bucket, key, ExtraArgs={"Metadata": {"sha256": digest}})
+        head = self.client.head_object(Bucket=self.bucket, Key=key)
+        size = Path(path).stat().st_size
+        if head["ContentLength"] != size or head.get("Metadata", {}).get("sha256") != digest:
+            raise UploadVerificationError(f"s3://{self.bucket}/{key} did not verify after upload")
+        return size
 
     # ------------------------------------------------------------------ read
     def _manifest(self, iteration: int) -> CheckpointRef | None:

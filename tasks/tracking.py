@@ -15,8 +15,10 @@ from typing import Any, Iterator
 
 from prefect import task
 
+from infra import run_info
 from infra.mlflow_utils import flatten_params, mlflow_client
 from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
+from tasks.refs import CalibrationRef
 
 log = logging.getLogger(__name__)
 
@@ -25,27 +27,35 @@ EXPERIMENT = "pipprune-compress"
 
 @task(name="open-tracking-run", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
 def open_tracking_run(run_key: str, params: dict[str, Any], tags: dict[str, str]) -> str:
-    """Create the MLflow run of this flow run; returns its id."""
+    """Create the MLflow run of this flow run (with MLflow's standard source tags); returns its id."""
     client = mlflow_client()
-    run = client.create_run(experiment_id(client), tags={"pipprune.run_key": run_key, **tags},
-                            run_name=f"compress-{run_key[:8]}")
+    run = client.create_run(experiment_id(client), run_name=f"compress-{run_key[:8]}",
+                            tags={"pipprune.run_key": run_key, **tags, **run_info.source_tags(tags),
+                                  run_info.DESCRIPTION_TAG: run_info.describe_running(params)})
     client.log_batch(run.info.run_id, params=_params(params))
     return run.info.run_id
 
 
 def experiment_id(client) -> str:  # noqa: ANN001
-    """The experiment's id, creating it once even when several runs start at the same moment."""
+    """The experiment's id, creating it once even when several runs start at the same moment.
+
+    It is tagged as model development: without `mlflow.experimentKind` MLflow 3's UI guesses
+    and files the runs under "GenAI -> Evaluation runs".
+    """
     from mlflow.exceptions import MlflowException
 
     experiment = client.get_experiment_by_name(EXPERIMENT)
-    if experiment is not None:
-        return experiment.experiment_id
-    try:
-        return client.create_experiment(EXPERIMENT)
-    except MlflowException as exc:  # another run created it between our two calls
-        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-        return client.get_experiment_by_name(EXPERIMENT).experiment_id
+    if experiment is None:
+        try:
+            return client.create_experiment(EXPERIMENT, tags=run_info.EXPERIMENT_TAGS)
+        except MlflowException as exc:  # another run created it between our two calls
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            experiment = client.get_experiment_by_name(EXPERIMENT)
+    for key, value in run_info.EXPERIMENT_TAGS.items():
+        if experiment.tags.get(key) != value:  # experiments created by older versions
+            client.set_experiment_tag(experiment.experiment_id, key, value)
+    return experiment.experiment_id
 
 
 def _params(params: dict[str, Any]) -> list:
@@ -61,7 +71,10 @@ def log_iteration(run_id: str, iteration: int, metrics: dict[str, float], score_
     import json
     import time
 
+    import pandas as pd
     from mlflow.entities import Metric
+
+    from infra import plots
 
     client = mlflow_client()
     now = int(time.time() * 1000)
@@ -74,12 +87,11 @@ def log_iteration(run_id: str, iteration: int, metrics: dict[str, float], score_
         units_path = Path(tmp) / "units_removed.json"
         units_path.write_text(json.dumps(units_removed, indent=1))
         client.log_artifact(run_id, str(units_path), folder)
-        scores_png = Path(tmp) / "unit_scores.png"
-        plot_scores(score_table, scores_png, title=f"iteration {iteration}")
-        client.log_artifact(run_id, str(scores_png), folder)
+        protect = run_info.protected_layers(client.get_run(run_id).data.params)
+        fig = plots.unit_scores(pd.read_csv(score_table), f"step {iteration}", *protect)
+        client.log_artifact(run_id, str(plots.save(fig, Path(tmp) / "unit_scores.png")), folder)
         if len(history) > 1:
-            curve = Path(tmp) / "metric_vs_params.png"
-            plot_history(history, curve)
+            curve = plots.save(plots.quality_curve(history), Path(tmp) / "quality_vs_params_removed.png")
             client.log_artifact(run_id, str(curve), "plots")
 
 
@@ -106,6 +118,7 @@ def log_recovery(run_id: str, stage: int, metrics: dict[str, float], losses: lis
 
 @task(name="log-final", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
 def log_final(run_id: str, metrics: dict[str, float], summary: dict[str, Any]) -> None:
+    """Final metrics (step 0), the summary artifact, and the markdown run description."""
     import json
     import time
 
@@ -118,6 +131,8 @@ def log_final(run_id: str, metrics: dict[str, float], summary: dict[str, Any]) -
         path = Path(tmp) / "summary.json"
         path.write_text(json.dumps(summary, indent=1, default=str))
         client.log_artifact(run_id, str(path))
+    params = client.get_run(run_id).data.params
+    client.set_tag(run_id, run_info.DESCRIPTION_TAG, run_info.describe_finished(params, summary))
 
 
 @task(name="close-tracking-run", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
@@ -125,56 +140,65 @@ def close_tracking_run(run_id: str, status: str = "FINISHED") -> None:
     mlflow_client().set_terminated(run_id, status=status)
 
 
-def plot_scores(score_table: str, out: Path, title: str) -> None:
-    """Per-unit scores along depth; removed units in red."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    table = pd.read_csv(score_table)
-    position = table["layer"] + table["index"].fillna(0) / (table["index"].max() + 1 if table["index"].notna().any() else 1)
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    kept = table[~table["selected"]]
-    gone = table[table["selected"]]
-    ax.scatter(position[kept.index], kept["score"], s=6, label="kept")
-    ax.scatter(position[gone.index], gone["score"], s=10, c="red", label="removed")
-    ax.set_xlabel("layer (units spread within)")
-    ax.set_ylabel("importance score")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-
-
-def plot_history(history: list[dict[str, float]], out: Path) -> None:
-    """Quick-eval perplexity against remaining parameters, one point per iteration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs = [h["num_params"] for h in history]
-    ys = [h.get("heldout_perplexity", float("nan")) for h in history]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(xs, ys, marker="o")
-    ax.invert_xaxis()
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("held-out perplexity")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-
-
 @contextmanager
 def tracking_run(run_key: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[str]:
-    """The MLflow run of one flow run: FINISHED when the block completes, FAILED on any error or interrupt."""
+    """The MLflow run of one flow run: FINISHED when the block completes, FAILED on any error or interrupt.
+
+    System metrics (CPU, memory, disk, network; GPU when one and `nvidia-ml-py` are present) are
+    sampled into the run meanwhile.
+    """
     run_id = open_tracking_run(run_key, params, tags)
+    monitor = run_info.start_system_metrics(run_id)
     try:
         yield run_id
     except BaseException:
+        run_info.stop_system_metrics(monitor)
         close_tracking_run(run_id, "FAILED")
         raise
+    run_info.stop_system_metrics(monitor)
     close_tracking_run(run_id)
+
+
+#: run tags holding each logged dataset's MLflow digest; the registered version copies them
+DATASET_DIGEST_TAG = "pipprune.dataset.{context}.digest"
+DATASET_SOURCE_TAG = "pipprune.dataset.{context}.source"
+
+
+@task(name="log-datasets", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
+def log_datasets(run_id: str, source: str, calib: CalibrationRef) -> dict[str, str]:
+    """The calibration pairs and held-out texts as MLflow datasets, inputs of the run.
+
+    Contexts "calibration" and "evaluation"; the source is where the texts came from (path or
+    URI); the digest is the first 32 hex digits of the content hash pipprune keys everything on
+    (MLflow stores at most 36 characters): `pipprune.calibration_hash` for the calibration set,
+    the same hash over the held-out texts for the evaluation set. The digests are also run tags,
+    so the registered version and `pipprune lineage` can carry and check them.
+    """
+    import mlflow.data
+    import pandas as pd
+    from mlflow.entities import DatasetInput, InputTag
+
+    from infra.calibration import CalibrationSource, calibration_hash
+    from tasks.calibration import read_heldout, read_pairs
+
+    pairs = pd.DataFrame(read_pairs(calib), columns=["original", "perturbed"])
+    held = read_heldout(calib)
+    heldout = pd.DataFrame({"text": held})
+    uri = source if "://" in source else str(CalibrationSource(source).path)
+    datasets = {
+        "calibration": mlflow.data.from_pandas(pairs, source=uri, name=f"calibration-{calib.data_hash[:8]}",
+                                               digest=calib.data_hash[:32]),
+        "evaluation": mlflow.data.from_pandas(heldout, source=uri, name=f"heldout-{calibration_hash(held)[:8]}",
+                                              digest=calibration_hash(held)[:32]),
+    }
+    client = mlflow_client()
+    client.log_inputs(run_id, datasets=[
+        DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
+        for context, ds in datasets.items()])
+    tags = {}
+    for context, ds in datasets.items():
+        tags[DATASET_DIGEST_TAG.format(context=context)] = ds.digest
+        tags[DATASET_SOURCE_TAG.format(context=context)] = uri
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    return tags

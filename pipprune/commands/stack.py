@@ -71,3 +71,27 @@ def status(json_out: bool = typer.Option(False, "--json")) -> None:
         _print(statuses, doc)
         if not all(s.up for s in statuses):
             raise typer.Exit(UNREACHABLE)
+
+
+@app.command("env")
+def env_cmd(json_out: bool = typer.Option(False, "--json")) -> None:
+    """Print the exports a Python session needs to load registered models (`eval "$(pipprune stack env)"`).
+
+    Includes the embedded S3 server's keys: registered versions live in S3 and MLflow's loaders
+    read them directly (MLFLOW_S3_ENDPOINT_URL + AWS keys). pipprune itself runs unchanged with them set.
+    """
+    import shlex
+
+    from infra.user_env import UserEnvError, user_env
+
+    with json_output(json_out) as doc:
+        try:
+            exports = user_env(_stack().settings)
+        except UserEnvError as exc:
+            fail(str(exc), UNREACHABLE)
+        if json_out:
+            doc.emit({"ok": True, "env": exports})
+            return
+    typer.echo("# pipprune: load registered models from Python with these set (they hold S3 keys: keep them private)")
+    for key, value in exports.items():
+        typer.echo(f"export {key}={shlex.quote(value)}")
