@@ -7,7 +7,7 @@ REF_TINY := $(STATE)/reference/tiny
 DEMO_UNIT ?= block
 DEMO_METHOD ?= pip
 
-.PHONY: install data lint demo test stack-down clean-state bench peer-venv bench-peer
+.PHONY: install data lint demo test stack-down clean-state bench peer-venv bench-peer docs-screenshots
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,10 @@ lint: install
 
 test: install data lint
 	$(BIN)/python -m pytest -q -x --timeout=900
+
+# Headless Chromium screenshots of a tiny run's MLflow page and plots into docs/ (Debian: apt-get install chromium).
+docs-screenshots: install
+	PIPPRUNE_DOCS_DIR=$(CURDIR)/docs $(BIN)/python -m pytest -q tests/test_registry_mlflow.py -k docs_screenshots
 
 stack-down:
 	$(BIN)/pipprune stack down

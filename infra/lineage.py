@@ -146,7 +146,7 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
         code_digest=tags.get("pipprune.code_digest", ""), git_sha=tags.get("pipprune.git_sha", ""),
         prefect_flow_run_id=tags.get("pipprune.prefect_flow_run_id", ""), mlflow_run_id=run_id,
         final_s3_uri=tags.get("pipprune.s3_uri", ""), config=config, iterations=iterations, problems=problems,
-        datasets=datasets, logged_model_id=getattr(mv, "model_id", None))
+        datasets=datasets, logged_model_id=tags.get("pipprune.logged_model_id") or getattr(mv, "model_id", None))
 
 
 def run_datasets(run) -> dict[str, dict[str, str]]:  # noqa: ANN001

@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 #: version tag: sha256 of the checkpoint's mlflow_files.json (lineage re-hashes the files it lists)
 MLFLOW_FILES_TAG = "pipprune.mlflow_files_sha256"
 LOGGED_MODEL_TYPE = "pipprune-compressed-lm"
+#: version tag naming the MLflow 3 logged model (the SQL registry keeps `model_id` only for models:/ sources)
+LOGGED_MODEL_TAG = "pipprune.logged_model_id"
 
 
 def checkpoint_root(model_uri: str) -> str:
@@ -42,7 +44,7 @@ def register_model(name: str, model: ModelRef, run_id: str, tags: dict[str, str]
     A rerun of identical inputs returns the version already registered instead of adding a twin.
     The run's dataset digests (`log_datasets`) are copied onto the version.
     """
-    from mlflow.entities import LoggedModelStatus
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
     if not model.s3_uri:
         raise ValueError(f"model {model.fingerprint[:12]} has no S3 checkpoint; only checkpointed models are registered")
@@ -66,6 +68,8 @@ def register_model(name: str, model: ModelRef, run_id: str, tags: dict[str, str]
         client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
         raise
     client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
+    client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])  # the run page lists it
+    tags[LOGGED_MODEL_TAG] = logged.model_id
     version = client.create_model_version(name, source=root, run_id=run_id, model_id=logged.model_id, tags=tags,
                                           description=f"pipprune run {tags['pipprune.run_key']}; weights and MLmodel "
                                                       f"at {root}")

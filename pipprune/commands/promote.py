@@ -96,7 +96,10 @@ def _print_lineage(result) -> None:  # noqa: ANN001 - rich output only
                          ("calibration sha256", result.calibration_hash), ("config digest", result.config_digest),
                          ("code digest", result.code_digest), ("git sha", result.git_sha),
                          ("Prefect flow run", result.prefect_flow_run_id), ("MLflow run", result.mlflow_run_id),
-                         ("final checkpoint", result.final_s3_uri), ("signature", _signature_line(result.signature))]:
+                         ("final checkpoint", result.final_s3_uri), ("signature", _signature_line(result.signature)),
+                         ("MLflow logged model", result.logged_model_id or "-"),
+                         *((f"dataset {ctx} digest", f"{d['digest']} ({d['name']})")
+                           for ctx, d in sorted(result.datasets.items()))]:
         head.add_row(label, value)
     console.print(head)
     steps = Table(title="iterations")
