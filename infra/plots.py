@@ -35,7 +35,7 @@ def quality_curve(history: list[dict[str, Any]], metric: str = QUALITY_METRIC) -
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     ax.axhline(ys[0], color="0.45", linestyle="--", linewidth=1, label=f"dense model ({ys[0]:.2f})")
     ax.plot(xs, ys, marker="o", color="tab:blue", label="after each step")
-    for i, (x, y, row) in enumerate(zip(xs, ys, history)):
+    for i, (x, y, row) in enumerate(zip(xs, ys, history, strict=True)):
         if i == 0:
             continue
         name = "recovery" if row.get("stage") == "recovery" or "recovery_seconds" in row else f"step {row['iteration']}"
@@ -45,7 +45,7 @@ def quality_curve(history: list[dict[str, Any]], metric: str = QUALITY_METRIC) -
     ax.yaxis.set_major_locator(MaxNLocator(nbins=6))
     ax.set_xlim(left=min(0.0, min(xs)) - 0.5, right=max(xs) * 1.15 + 0.5)
     ax.set_xlabel("parameters removed")
-    ax.set_ylabel(f"held-out perplexity (lower is better)" if metric == QUALITY_METRIC else metric)
+    ax.set_ylabel("held-out perplexity (lower is better)" if metric == QUALITY_METRIC else metric)
     ax.set_title(f"Quality vs compression ({int(total):,} parameters dense)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")

@@ -85,11 +85,11 @@ class CheckpointStore:
         self.prefix = f"runs/{run_key}/"
 
     @classmethod
-    def from_settings(cls, settings: Settings, run_key: str) -> "CheckpointStore":
+    def from_settings(cls, settings: Settings, run_key: str) -> CheckpointStore:
         return cls(s3_client(settings), settings.s3_bucket, run_key)
 
     @classmethod
-    def for_uri(cls, settings: Settings, uri: str) -> "CheckpointStore":
+    def for_uri(cls, settings: Settings, uri: str) -> CheckpointStore:
         bucket, key = split_uri(uri)
         parts = key.split("/")
         if len(parts) < 2 or parts[0] != "runs":

@@ -47,7 +47,7 @@ def register_model(name: str, model: ModelRef, run_id: str, tags: dict[str, str]
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
     if not model.s3_uri:
-        raise ValueError(f"model {model.fingerprint[:12]} has no S3 checkpoint; only checkpointed models are registered")
+        raise ValueError(f"model {model.fingerprint[:12]} has no S3 checkpoint; only checkpointed models register")
     client = mlflow_client()
     _ensure_registered_model(client, name)
     wanted = (tags["pipprune.run_key"], tags["pipprune.model_fingerprint"])

@@ -7,11 +7,12 @@ concurrent flows in one process cannot log into each other's runs.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from prefect import task
 

@@ -76,7 +76,7 @@ def test_unit_scores_marks_removed_and_protected(layers, per_layer, kind, protec
     assert {"kept", "removed", "protected layer"} <= set(names)
     bands = [p for p in ax.patches]  # axvspan patches: one per protected layer
     assert len(bands) == 2 * protect
-    removed = next(c for c, n in zip(ax.collections, ["kept", "removed"]) if n == "removed")
+    removed = ax.collections[1]  # scatter order: kept, then removed
     assert len(removed.get_offsets()) == int(table["selected"].sum())
     assert f"{int(table['selected'].sum())} of {len(table)} units removed" in ax.get_title()
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, cli, free_port
+from tests.helpers import cli, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
@@ -133,7 +133,8 @@ def test_version_loads_with_both_loaders_like_the_saved_directory(registered, se
 
 def test_mlflow_models_serve_answers(registered, session_env):
     port = free_port()
-    env = {**session_env, "PYTHONPATH": ""}
+    # `mlflow models serve` execs uvicorn from PATH: the interpreter's bin dir, as in an activated venv
+    env = {**session_env, "PYTHONPATH": "", "PATH": f"{Path(sys.executable).parent}:{session_env.get('PATH', '')}"}
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{NAME}@champion",
                                "--env-manager", "local", "--host", "127.0.0.1", "-p", str(port), "--workers", "1"],
                               env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -158,12 +159,21 @@ def test_mlflow_models_serve_answers(registered, session_env):
         text = answer["predictions"][0]
         assert text.startswith(PROMPT) and len(text) > len(PROMPT), answer
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        _stop_group(server)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (uvicorn workers included), SIGKILL what outlives 20 s."""
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
         try:
-            server.wait(timeout=20)
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+            continue
 
 
 def test_datasets_are_run_inputs_with_the_digest_lineage_reports(registered, session_env):
