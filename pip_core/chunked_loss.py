@@ -22,9 +22,19 @@ from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger(__name__)
 
-#: tokens per slice through the LM head: 2 x 256 x 128k x 4 B = 256 MiB of float32 logits at most
-DEFAULT_CHUNK_TOKENS = 256
+#: float32 logits of one slice (all rows): 64 MiB is 64 positions of a pair at a 128k vocabulary
+LOGITS_SLICE_BYTES = 64 * 2**20
+MIN_CHUNK_TOKENS = 16
+#: fixed positions per slice instead of the byte budget (None: from LOGITS_SLICE_BYTES)
+DEFAULT_CHUNK_TOKENS: int | None = None
 IGNORE = -100
+
+
+def chunk_tokens_for(vocab: int, batch: int) -> int:
+    """Sequence positions per slice so that one slice of float32 logits stays within LOGITS_SLICE_BYTES."""
+    if DEFAULT_CHUNK_TOKENS is not None:
+        return DEFAULT_CHUNK_TOKENS
+    return max(MIN_CHUNK_TOKENS, LOGITS_SLICE_BYTES // (4 * max(vocab, 1) * max(batch, 1)))
 
 
 def _head(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None]:
@@ -81,13 +91,14 @@ def per_sequence_nll(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, ch
                      fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed next-token NLL, number of predicted tokens) of each row, in float32.
 
-    `chunk_tokens` defaults to DEFAULT_CHUNK_TOKENS; `fused=None` uses liger-kernel on CUDA when
-    installed, the chunked torch path otherwise.
+    `chunk_tokens` defaults to `chunk_tokens_for(vocab, rows)`; `fused=None` uses liger-kernel on
+    CUDA when installed, the chunked torch path otherwise.
     """
-    chunk_tokens = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+    _, head, cap = _head(model)
+    if chunk_tokens is None:
+        chunk_tokens = chunk_tokens_for(head.weight.shape[0], ids.shape[0])
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    _, head, cap = _head(model)
     hidden = hidden_states(model, ids, mask)[:, :-1]
     target = _targets(ids, mask)
     counts = (target != IGNORE).sum(1).float()
