@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import write
+from benchmarks.common import RESULTS, environment, write
 
 #: name -> (hidden, layers, heads, kv heads, intermediate, vocab, seq, dtype, pairs or None for --pairs)
 ROWS = {
@@ -87,17 +87,21 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=12)
     parser.add_argument("--one", default=None)
     parser.add_argument("--only", default=None, help="comma-separated row names (default: all)")
+    parser.add_argument("--keep", action="store_true", help="keep the other rows of results/cost.json (slow rows)")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args.one, args.pairs)))
         return
     names = args.only.split(",") if args.only else list(ROWS)
-    rows = []
+    measured = {}
     for name in names:
         out = subprocess.run([sys.executable, "-m", "benchmarks.cost", "--one", name, "--pairs", str(args.pairs)],
                              capture_output=True, text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(rows[-1], flush=True)
+        measured[name] = {**json.loads(out.stdout.strip().splitlines()[-1]), "when": environment()["when"]}
+        print(measured[name], flush=True)
+    previous = json.loads((RESULTS / "cost.json").read_text())["rows"] if args.keep else []
+    kept = {r["size"]: r for r in previous if r["size"] in ROWS and "when" in r}
+    rows = [measured.get(name) or kept[name] for name in ROWS if name in measured or name in kept]
     table = ["# Cost of one PIP scoring pass (width units: attention groups + MLP channels)", "",
              "Limit = two forward+backward passes per pair (one per view); peak = (weights + extra RSS during "
              "scoring) / weights, weights in the row's dtype. The causal-LM loss is computed in slices of the "

@@ -22,19 +22,21 @@ from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger(__name__)
 
-#: float32 logits of one slice (all rows): 64 MiB is 64 positions of a pair at a 128k vocabulary
+#: float32 logits of one slice (all rows) at most: 64 MiB is 64 positions of a pair at a 128k vocabulary
 LOGITS_SLICE_BYTES = 64 * 2**20
 MIN_CHUNK_TOKENS = 16
-#: fixed positions per slice instead of the byte budget (None: from LOGITS_SLICE_BYTES)
+#: fixed positions per slice instead of the byte budget (None: from the budget)
 DEFAULT_CHUNK_TOKENS: int | None = None
 IGNORE = -100
 
 
-def chunk_tokens_for(vocab: int, batch: int) -> int:
-    """Sequence positions per slice so that one slice of float32 logits stays within LOGITS_SLICE_BYTES."""
+def chunk_tokens_for(vocab: int, batch: int, head_bytes: int | None = None) -> int:
+    """Sequence positions per slice: one slice of float32 logits stays within LOGITS_SLICE_BYTES and a
+    quarter of the LM head's own bytes, so the logits never dominate a small model's memory either."""
     if DEFAULT_CHUNK_TOKENS is not None:
         return DEFAULT_CHUNK_TOKENS
-    return max(MIN_CHUNK_TOKENS, LOGITS_SLICE_BYTES // (4 * max(vocab, 1) * max(batch, 1)))
+    budget = LOGITS_SLICE_BYTES if head_bytes is None else min(LOGITS_SLICE_BYTES, head_bytes // 4)
+    return max(MIN_CHUNK_TOKENS, budget // (4 * max(vocab, 1) * max(batch, 1)))
 
 
 def _head(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None]:
@@ -96,7 +98,8 @@ def per_sequence_nll(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, ch
     """
     _, head, cap = _head(model)
     if chunk_tokens is None:
-        chunk_tokens = chunk_tokens_for(head.weight.shape[0], ids.shape[0])
+        chunk_tokens = chunk_tokens_for(head.weight.shape[0], ids.shape[0],
+                                        head.weight.numel() * head.weight.element_size())
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     hidden = hidden_states(model, ids, mask)[:, :-1]

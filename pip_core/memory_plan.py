@@ -106,7 +106,7 @@ def plan_memory(config: Any, dtype: str = "float32", batch: int = 2, seq_len: in
         activations = layers * seq_len * batch * hidden * width + per_layer
     else:
         activations = layers * per_layer
-    chunk = min(seq_len, chunk_tokens or chunk_tokens_for(vocab, batch))
+    chunk = min(seq_len, chunk_tokens or chunk_tokens_for(vocab, batch, vocab * hidden * width))
     logits = 3 * batch * chunk * vocab * 4  # one slice: fp32 logits, log-softmax and its gradient
     peak_scoring = weights + grads + activations + logits
     peak_eval = weights + batch * chunk * vocab * 4 + per_layer // 4
