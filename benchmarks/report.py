@@ -92,6 +92,9 @@ NOTES = """## What limits the missed targets
   and re-read between tasks, checkpoint upload with read-back verification, MLflow artifacts and
   plots, about a second per iteration here); on a 10-second job that is ~20%, and the share falls
   as scoring time grows with model size and pairs.
+  This figure predates the in-memory model hand-off between tasks and was not re-measured:
+  `benchmarks/overhead.py` (now flow and bare loop alternated on the same work, best of N) did
+  not finish within 20 minutes on the shared machine under load (load average 11-18 on 2 cores).
 - **Torch-Pruning peer.** torch-pruning 1.6.x never finishes building the dependency graph of a
   GQA Llama (VainF/Torch-Pruning#527); 1.5.2 runs, but its GQA head grouping fails on 6 query
   heads over 2 KV heads, so it prunes MLP channels and the hidden size (its LLM recipe without
