@@ -94,7 +94,8 @@ def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: 
         history.append(records.history_row(stage, recovered, metrics))
         return recovered
     max_length, rt = config.calibration.max_length, config.runtime
-    result = recover(model, calib, config.calibration.source, source_digest, config.recovery, config.seed, max_length, rt)
+    result = recover(model, calib, config.calibration.source, source_digest, config.recovery, config.seed, max_length,
+                     rt)
     metrics = {**quick_eval(result.model, calib, max_length, rt), "num_params": float(result.model.num_params),
                "achieved_ratio": records.removed_fraction(total, result.model.num_params),
                "recovery_texts": float(result.n_texts), "recovery_first_loss": result.first_loss,

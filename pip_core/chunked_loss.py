@@ -14,7 +14,7 @@ reference and runs everywhere.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

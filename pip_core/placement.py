@@ -53,7 +53,8 @@ def resolve_device(spec: str = "auto") -> str:
     index = int(value[5:]) if ":" in value else 0
     count = torch.cuda.device_count()
     if index >= count:
-        raise DeviceUnavailableError(f"--device {spec}: this machine has {count} visible GPU(s) (cuda:0..cuda:{count - 1})")
+        raise DeviceUnavailableError(f"--device {spec}: this machine has {count} visible GPU(s) "
+                                     f"(cuda:0..cuda:{count - 1})")
     return f"cuda:{index}"
 
 

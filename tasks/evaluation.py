@@ -37,10 +37,11 @@ def tasks_digest(include_path: str | None) -> str | None:
     return tree_digest(Path(include_path)) if include_path else None
 
 
-@task(name="evaluate", cache_key_fn=key_from("model", "tasks", "tasks_content", "limit", "runtime"), persist_result=True,
-      result_serializer="json")
+@task(name="evaluate", cache_key_fn=key_from("model", "tasks", "tasks_content", "limit", "runtime"),
+      persist_result=True, result_serializer="json")
 def evaluate(model: ModelRef, tasks: tuple[str, ...], include_path: str | None, tasks_content: str | None,
-             limit: int | None, runtime: RuntimeSettings = RuntimeSettings()) -> dict[str, dict[str, float]]:
+             limit: int | None,
+             runtime: RuntimeSettings = RuntimeSettings()) -> dict[str, dict[str, float]]:
     """Run lm-eval tasks on the model directory, exactly as `pipprune eval` does."""
     from infra.lmeval import run_lmeval
 

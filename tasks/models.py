@@ -15,8 +15,8 @@ from typing import Any
 
 from prefect import task
 
-from infra.model_source import ModelNotFoundError, local_model_dir  # noqa: F401 - re-exported
 from infra.config import RuntimeSettings
+from infra.model_source import ModelNotFoundError, local_model_dir  # noqa: F401 - re-exported
 from infra.settings import Settings
 from pip_core import io as core_io
 from pip_core.placement import Placement, plan_placement

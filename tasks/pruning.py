@@ -21,7 +21,8 @@ from tasks.refs import ModelRef, PrunePlan
 log = logging.getLogger(__name__)
 
 
-@task(name="prune-step", cache_key_fn=key_from("model", "plan", "runtime"), persist_result=True, result_serializer="json")
+@task(name="prune-step", cache_key_fn=key_from("model", "plan", "runtime"), persist_result=True,
+      result_serializer="json")
 def prune_step(model: ModelRef, plan: PrunePlan, runtime: RuntimeSettings = RuntimeSettings()) -> ModelRef:
     """Apply `plan` to `model` and save the result as an ordinary HF directory, in the dtype it was loaded in."""
     net, tokenizer = load_model(model, runtime, for_update=True)

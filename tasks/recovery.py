@@ -12,8 +12,8 @@ import time
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
-from infra.config import RecoverySettings, RuntimeSettings
 from infra.calibration import CalibrationSource, load_calibration
+from infra.config import RecoverySettings, RuntimeSettings
 from pip_core import io as core_io
 from pip_core.recovery import recover_lora
 from tasks._common import content_key, key_from
@@ -35,7 +35,8 @@ class RecoveryResult(BaseModel):
     seconds: float
 
 
-@task(name="recover-lora", cache_key_fn=key_from("model", "calib", "source_digest", "settings", "seed", "max_length", "runtime"),
+@task(name="recover-lora", cache_key_fn=key_from("model", "calib", "source_digest", "settings", "seed", "max_length",
+                                                 "runtime"),
       persist_result=True, result_serializer="json")
 def recover(model: ModelRef, calib: CalibrationRef, calibration: str, source_digest: str, settings: RecoverySettings,
             seed: int, max_length: int, runtime: RuntimeSettings = RuntimeSettings()) -> RecoveryResult:
