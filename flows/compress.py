@@ -47,19 +47,19 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     calib = prepare_calibration(config.calibration, config.seed, source_digest)
     run_key = records.run_key_for(config, source.model.fingerprint, calib.data_hash, calib.wordlist_hash)
     lineage = records.lineage_tags(config, run_key, source, calib, str(flow_run.id))
-    max_length, total = config.calibration.max_length, source.model.num_params
+    max_length, total, rt = config.calibration.max_length, source.model.num_params, config.runtime
     with run_lock(Settings(), run_key), tracking_run(run_key, records.run_params(config, calib), lineage) as run_id:
         log_datasets(run_id, config.calibration.source, calib)
         # 2. prune in re-scored steps; each is checkpointed to S3, and a rerun resumes after the last one
-        before, done = quick_eval(source.model, calib, max_length), find_resume_point(run_key)
+        before, done = quick_eval(source.model, calib, max_length, rt), find_resume_point(run_key)
         model, history = records.resumed_history(source.model, before, done[:config.scoring.iterations])
         progress = StepProgress(config.scoring.iterations)
         for i, cumulative in list(enumerate(plan(config.ratio, config.scoring.iterations), start=1))[len(done):]:
             spec = step_spec(i, cumulative, total, model.num_params, config.seed)
-            stats = score_units(model, calib, config.scoring, spec, max_length)
+            stats = score_units(model, calib, config.scoring, spec, max_length, rt)
             selection = select_units(stats, config.scoring, spec)
-            pruned = prune_step(model, selection)
-            metrics = records.step_metrics(quick_eval(pruned, calib, max_length), pruned, total, selection, stats)
+            pruned = prune_step(model, selection, rt)
+            metrics = records.step_metrics(quick_eval(pruned, calib, max_length, rt), pruned, total, selection, stats)
             model = checkpoint(run_key, i, pruned, selection.table_path,
                                records.step_record(i, selection, metrics, pruned, lineage))
             history.append(records.history_row(i, model, metrics))
@@ -69,8 +69,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
         pre_recovery = records.heldout(history[-1]) if config.recovery.enabled else None
         model = _recovery_stage(config, run_key, run_id, lineage, model, calib, source_digest, done, history)
         ev, content = config.evaluation, tasks_digest(config.evaluation.include_path)
-        final_eval = evaluate(model, ev.tasks, ev.include_path, content, ev.limit)  # while it is in memory
-        source_eval = evaluate(source.model, ev.tasks, ev.include_path, content, ev.limit)
+        final_eval = evaluate(model, ev.tasks, ev.include_path, content, ev.limit, rt)  # while it is in memory
+        source_eval = evaluate(source.model, ev.tasks, ev.include_path, content, ev.limit, rt)
         after = records.heldout(history[-1])
         signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3
         version = register_model(config.registered_model_name, model, run_id,
@@ -94,9 +94,10 @@ def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: 
         recovered, metrics = records.resumed_step(done[stage - 1])
         history.append(records.history_row(stage, recovered, metrics))
         return recovered
-    max_length = config.calibration.max_length
-    result = recover(model, calib, config.calibration.source, source_digest, config.recovery, config.seed, max_length)
-    metrics = {**quick_eval(result.model, calib, max_length), "num_params": float(result.model.num_params),
+    max_length, rt = config.calibration.max_length, config.runtime
+    result = recover(model, calib, config.calibration.source, source_digest, config.recovery, config.seed, max_length,
+                     rt)
+    metrics = {**quick_eval(result.model, calib, max_length, rt), "num_params": float(result.model.num_params),
                "achieved_ratio": records.removed_fraction(total, result.model.num_params),
                "recovery_texts": float(result.n_texts), "recovery_first_loss": result.first_loss,
                "recovery_last_loss": result.last_loss, "recovery_seconds": result.seconds}

@@ -94,6 +94,27 @@ class RecoverySettings(_Group):
         return self.steps > 0
 
 
+class RuntimeSettings(_Group):
+    """Where the model runs and in which dtype; every task that loads a model takes this group whole."""
+
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N (auto: CUDA when present, else CPU)")
+    dtype: str = Field("auto", description="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own)")
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        from pip_core.placement import check_device_spec
+
+        return check_device_spec(value)
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, value: str) -> str:
+        from pip_core.placement import check_dtype_spec
+
+        return check_dtype_spec(value)
+
+
 #: flat spellings (older config files, CLI options) -> (group, field)
 FLAT_KEYS: dict[str, tuple[str, str]] = {
     "wordlist": ("calibration", "wordlist"), "n_samples": ("calibration", "n_samples"),
@@ -104,6 +125,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "protect_first": ("scoring", "protect_first"), "protect_last": ("scoring", "protect_last"),
     "eval_tasks": ("evaluation", "tasks"), "eval_include_path": ("evaluation", "include_path"),
     "eval_limit": ("evaluation", "limit"),
+    "device": ("runtime", "device"), "dtype": ("runtime", "dtype"),
 }
 
 
@@ -119,6 +141,7 @@ class CompressConfig(BaseModel):
     scoring: ScoringSettings = ScoringSettings()
     evaluation: EvaluationSettings = EvaluationSettings()
     recovery: RecoverySettings = RecoverySettings()
+    runtime: RuntimeSettings = RuntimeSettings()
     registered_model_name: str = Field("pipprune-model", description="registered model name in MLflow")
     trust_remote_code: bool = False
 

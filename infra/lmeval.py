@@ -35,13 +35,13 @@ def unknown_tasks(tasks: list[str], include_path: str | Path | None = None) -> l
 
 
 def run_lmeval(model_dir: Path, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
-               batch_size: int = 8, device: str | None = None,
+               batch_size: int = 8, device: str | None = None, dtype: str = "auto",
                loaded: tuple | None = None) -> dict[str, dict[str, float]]:
     """Evaluate `tasks` on the model in `model_dir`; returns {task: {metric: value}}.
 
-    `loaded` is that directory's (model, tokenizer) when the caller already holds them in memory.
+    `device` (auto | cpu | cuda | cuda:N) and `dtype` (auto = the checkpoint's own) say how the
+    model is loaded; `loaded` is that directory's (model, tokenizer) when the caller already holds them.
     """
-    import torch
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -50,12 +50,14 @@ def run_lmeval(model_dir: Path, tasks: list[str], include_path: Path | None = No
 
     if include_path is not None and not Path(include_path).is_dir():
         raise FileNotFoundError(f"lm-eval include path not found: {include_path}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from pip_core.placement import resolve_device
+
+    device = resolve_device(device or "auto")
     manager = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else TaskManager()
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ValueError(f"unknown lm-eval task(s) {unknown}" + (f" in {include_path}" if include_path else ""))
-    model, tokenizer = loaded or core_io.load(model_dir, device_map=device if device != "cpu" else None)
+    model, tokenizer = loaded or core_io.load(model_dir, dtype=dtype, device=device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, device=device)
     results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, bootstrap_iters=0,
                               log_samples=False, verbosity="WARNING")

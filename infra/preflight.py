@@ -25,8 +25,9 @@ def check_inputs(config: CompressConfig) -> None:
     from infra.calibration import CalibrationSource, load_calibration
     from infra.model_source import local_model_dir
     from pip_core import io as core_io
-    from pip_core.memory_plan import available_bytes, plan_memory
+    from pip_core.placement import plan_placement, resolve_device
 
+    resolve_device(config.runtime.device)  # a missing GPU is refused before anything else is read
     local = local_model_dir(config.model)
     model_config = core_io.check_loadable(local)
     check_weights_intact(local)
@@ -36,13 +37,11 @@ def check_inputs(config: CompressConfig) -> None:
     load_calibration(source.path)
     if config.evaluation.tasks:
         check_eval_tasks(config.evaluation.tasks, config.evaluation.include_path)
-    plan = plan_memory(model_config, dtype=str(model_config.get("torch_dtype") or model_config.get("dtype") or
-                                             "float32").replace("torch.", ""), seq_len=config.calibration.max_length)
-    free = available_bytes("cpu")
-    if plan.peak_scoring > free:
-        raise PreflightError(f"{config.model} needs about {plan.peak_scoring / 2**30:.1f} GiB for PIP scoring "
-                             f"({plan.weights / 2**30:.1f} GiB weights) but {free / 2**30:.1f} GiB is free; "
-                             "see `pipprune plan`")
+    placement = plan_placement(model_config, config.runtime.device, config.runtime.dtype,
+                               seq_len=config.calibration.max_length)
+    if not placement.fits:
+        raise PreflightError(f"{config.model} {placement.describe()} ({placement.plan.weights / 2**30:.1f} GiB "
+                             "weights); see `pipprune plan`")
 
 
 def check_mlflow(uri: str | None) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from pip_core import chunked_loss
 from pip_core.errors import CalibrationError, PipCoreError
 from pip_core import families
 from pip_core.units import Unit, check_supported, decoder_layers, family_of, unit_tensors
@@ -53,12 +54,8 @@ def _batch(seqs: Sequence[torch.Tensor], pad_id: int, device: torch.device) -> t
 
 
 def per_sequence_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of each row over its own (unpadded) tokens."""
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    target = ids[:, 1:]
-    valid = mask[:, 1:].to(logits.dtype)
-    nll = nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
-    return (nll * valid).sum(1) / valid.sum(1)
+    """Mean next-token cross-entropy of each row over its own (unpadded) tokens (logits in slices, float32)."""
+    return chunked_loss.per_sequence_loss(model, ids, mask)
 
 
 # ---------------------------------------------------------------- reductions

@@ -136,11 +136,24 @@ def check_tokenizer(model_dir: str | Path) -> None:
         raise FileNotFoundError(f"{model_dir} has no tokenizer (none of {sorted(names)})")
 
 
-def load(model_dir: str | Path, dtype: torch.dtype | str = torch.float32, device_map: str | None = None,
-         tokenizer: bool = True) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
-    """Load a model directory (stock or per-layer pruned) and its tokenizer, safetensors only."""
-    check_loadable(model_dir)
+def load(model_dir: str | Path, dtype: torch.dtype | str = "auto", device_map: str | None = None,
+         tokenizer: bool = True, device: str | None = None) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+    """Load a model directory (stock or per-layer pruned) and its tokenizer, safetensors only.
+
+    `dtype="auto"` keeps the checkpoint's own dtype (a bf16 checkpoint stays bf16, and so does what
+    is saved from it). `device` places the whole model on one device; `device_map="auto"` spreads
+    it over the visible GPUs with CPU offload instead (needs accelerate).
+    """
+    config = check_loadable(model_dir)
     register_classes()
+    if isinstance(dtype, str):
+        from pip_core.placement import resolve_dtype, torch_dtype
+
+        dtype = torch_dtype(resolve_dtype(dtype, config))
+    if device is not None and device_map is None and device != "cpu":
+        from pip_core.placement import resolve_device
+
+        device_map = resolve_device(device)  # refuses a CUDA device that is not there
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device_map,
                                                  use_safetensors=True, trust_remote_code=False)
     model.eval()

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import transformers
 
+from pip_core.chunked_loss import chunk_tokens_for
+
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 
@@ -76,13 +78,15 @@ class MemoryPlan:
 
 
 def plan_memory(config: Any, dtype: str = "float32", batch: int = 2, seq_len: int = 128,
-                gradient_checkpointing: bool = False) -> MemoryPlan:
+                gradient_checkpointing: bool = False, chunk_tokens: int | None = None) -> MemoryPlan:
     """Estimate memory for weights, the largest live gradient, activations and logits.
 
     `batch` counts sequences per forward: PIP puts both views of a pair in one batch (2).
     Gradients are reduced per parameter as they arrive, so at most one parameter's gradient
     (the largest, usually the embedding) is alive; activations follow the standard transformer
-    estimate s*b*h*(34 + 5*a*s/h) bytes per layer at 16-bit, scaled for fp32.
+    estimate s*b*h*(34 + 5*a*s/h) bytes per layer at 16-bit, scaled for fp32. Logits exist one
+    slice of `chunk_tokens` positions at a time (pip_core.chunked_loss), never for the whole sequence.
+    The slice's float32 logits are bounded by the same byte budget the loss uses.
     """
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_BYTES)}")
@@ -102,9 +106,10 @@ def plan_memory(config: Any, dtype: str = "float32", batch: int = 2, seq_len: in
         activations = layers * seq_len * batch * hidden * width + per_layer
     else:
         activations = layers * per_layer
-    logits = 3 * batch * seq_len * vocab * 4  # fp32 logits, log-softmax and its gradient
+    chunk = min(seq_len, chunk_tokens or chunk_tokens_for(vocab, batch, vocab * hidden * width))
+    logits = 3 * batch * chunk * vocab * 4  # one slice: fp32 logits, log-softmax and its gradient
     peak_scoring = weights + grads + activations + logits
-    peak_eval = weights + batch * seq_len * vocab * 4 + per_layer // 4
+    peak_eval = weights + batch * chunk * vocab * 4 + per_layer // 4
     return MemoryPlan(num_params=n, dtype=dtype, weights=weights, gradients_peak=grads, activations=activations,
                       logits=logits, peak_scoring=peak_scoring, peak_eval=peak_eval,
                       gradient_checkpointing=gradient_checkpointing)

@@ -8,11 +8,17 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from pip_core.chunked_loss import per_sequence_nll
+
 
 @torch.no_grad()
 def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
                max_length: int = 256) -> dict[str, float]:
-    """Mean negative log-likelihood per predicted token over all texts, and its exponential."""
+    """Mean negative log-likelihood per predicted token over all texts, and its exponential.
+
+    The logits are computed a slice of the sequence at a time, so memory does not grow with
+    tokens x vocabulary.
+    """
     if not texts:
         raise ValueError("perplexity needs at least one held-out text")
     device = next(model.parameters()).device
@@ -25,10 +31,9 @@ def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts
             if ids.shape[1] < 2:
                 continue
             ids = ids.to(device)
-            out = model(input_ids=ids, labels=ids)
-            n = ids.shape[1] - 1
-            total_nll += float(out.loss) * n
-            total_tokens += n
+            nll, counts = per_sequence_nll(model, ids, torch.ones_like(ids))  # logits in slices
+            total_nll += float(nll.sum())
+            total_tokens += int(counts.sum())
     finally:
         model.train(was_training)
     if total_tokens == 0:

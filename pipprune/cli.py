@@ -65,6 +65,9 @@ def compress(
     name: Optional[str] = typer.Option(None, help="registered model name"),
     recovery_steps: Optional[int] = typer.Option(None, help="LoRA recovery steps after pruning, merged back "
                                                  "(0 = off) [default: 0]"),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N [default: auto = CUDA if present]"),
+    dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32 "
+                                        "[default: auto = the checkpoint's own]"),
     config: Optional[Path] = typer.Option(None, help="YAML/JSON config file (CLI options override it)"),
     out: Optional[Path] = typer.Option(None, help="also copy the final model to this new or empty directory"),
     overwrite: bool = typer.Option(False, help="let --out replace a previous pipprune output (never anything else)"),
@@ -82,7 +85,7 @@ def compress(
         cfg = _compress_config(model, config, calibration, include_path, tasks, dict(
             ratio=ratio, unit=unit, width_mode=width_mode, method=method, iterations=iterations,
             wordlist=wordlist, n_samples=n_samples, seed=seed, eval_limit=eval_limit, registered_model_name=name,
-            recovery=None if recovery_steps is None else {"steps": recovery_steps}))
+            device=device, dtype=dtype, recovery=None if recovery_steps is None else {"steps": recovery_steps}))
         out_dir = _check_out(out, overwrite)
         _check_inputs(cfg)
         settings = _runtime(auto_stack)
@@ -215,12 +218,20 @@ def eval_cmd(
     tasks: str = typer.Option(..., help="comma-separated lm-eval task names"),
     include_path: Optional[Path] = typer.Option(None, help="directory of local lm-eval task YAMLs"),
     limit: Optional[int] = typer.Option(None, help="limit examples per task"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
+    dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own)"),
 ) -> None:
     """Evaluate a model directory with lm-eval; stdout: {"schema": 1, "results": {task: {metric: value}}}."""
     from infra import progress
 
     progress.configure(progress.choose_mode(False, sys.stderr.isatty()))
     with json_output(True) as doc:
+        from pip_core.placement import check_dtype_spec, resolve_device
+
+        try:  # before any work: a missing GPU or a typo is bad input
+            device, dtype = resolve_device(device), check_dtype_spec(dtype)
+        except ValueError as exc:
+            fail(str(exc))
         from infra.runtime import prepare_runtime
 
         prepare_runtime(start_stack=False)
@@ -239,7 +250,8 @@ def eval_cmd(
         from infra.lmeval import run_lmeval
 
         try:
-            results = run_lmeval(Path(model), names, include_path=include_path, limit=limit)
+            results = run_lmeval(Path(model), names, include_path=include_path, limit=limit, device=device,
+                                 dtype=dtype)
         except (ValueError, KeyError, FileNotFoundError) as exc:
             fail(f"evaluation failed: {exc}", code=FAILED)
         doc.emit({"ok": True, "model": model, "results": results})
@@ -249,34 +261,42 @@ def eval_cmd(
 def plan_cmd(
     model: str = typer.Option(..., help="hub id, local model dir, or a config.json file"),
     unit: str = typer.Option("block", help="block | attn | mlp | width (scoring memory is the same)"),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
+    dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own)"),
     seq_len: int = typer.Option(128, help="calibration sequence length"),
-    gradient_checkpointing: bool = typer.Option(False, help="recompute activations in backward"),
-    device: str = typer.Option("cpu", help="device whose free memory to compare with"),
+    gradient_checkpointing: bool = typer.Option(False, help="force recomputing activations in backward"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N: the device whose free memory counts"),
 ) -> None:
-    """Memory each stage needs, from the config alone (no weights are loaded)."""
+    """Memory each stage needs, from the config alone (no weights are loaded), and where the model would run."""
     from rich.console import Console
     from rich.table import Table
 
-    from pip_core.memory_plan import available_bytes, plan_memory
+    from pip_core.memory_plan import plan_memory
+    from pip_core.placement import plan_placement
 
     config = _read_config(model)
     try:
-        plan = plan_memory(config, dtype=dtype, batch=2, seq_len=seq_len,
-                           gradient_checkpointing=gradient_checkpointing)
+        placement = plan_placement(config, device, dtype, seq_len=seq_len)
+        plan = placement.plan
+        if gradient_checkpointing and not plan.gradient_checkpointing:
+            plan = plan_memory(config, dtype=placement.dtype, batch=2, seq_len=seq_len, gradient_checkpointing=True)
     except (ValueError, TypeError, KeyError) as exc:
         fail(f"cannot plan memory for {model}: {exc}")
-    free = available_bytes(device)
-    table = Table(title=f"{model}: {plan.num_params:,} parameters, {dtype}, unit {unit}, seq {seq_len}")
+    free, where = placement.free_bytes, placement.device
+    if placement.device_map:
+        where = "all GPUs + host (device_map='auto')"
+    table = Table(title=f"{model}: {plan.num_params:,} parameters, {placement.dtype}, unit {unit}, seq {seq_len}")
     table.add_column("stage")
     table.add_column("GiB", justify="right")
     for label, value in [("weights", plan.weights), ("largest live gradient", plan.gradients_peak),
-                         ("activations (2 views)", plan.activations), ("logits", plan.logits),
+                         ("activations (2 views)" + (", checkpointed" if plan.gradient_checkpointing else ""),
+                          plan.activations), ("logits (one slice of the sequence)", plan.logits),
                          ("peak: PIP scoring", plan.peak_scoring), ("peak: evaluation", plan.peak_eval),
-                         (f"free on {device}", free)]:
+                         (f"free on {where}", free)]:
         table.add_row(label, f"{value / 2**30:.2f}")
-    Console().print(table)
-    if plan.peak_scoring > free:
+    console = Console()
+    console.print(table)
+    console.print(f"placement: {placement.describe()}")
+    if not placement.fits:
         typer.secho("does not fit: PIP scoring needs more memory than is free", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
 

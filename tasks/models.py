@@ -15,9 +15,11 @@ from typing import Any
 
 from prefect import task
 
+from infra.config import RuntimeSettings
 from infra.model_source import ModelNotFoundError, local_model_dir  # noqa: F401 - re-exported
 from infra.settings import Settings
 from pip_core import io as core_io
+from pip_core.placement import Placement, plan_placement
 from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
 from tasks.refs import ModelRef, SourceRef
 
@@ -86,16 +88,35 @@ class ModelHandoff:
 HANDOFF = ModelHandoff()
 
 
-def load_model(ref: ModelRef, *, for_update: bool = False) -> tuple[Any, Any]:
+def placement_for(ref: ModelRef, runtime: RuntimeSettings, seq_len: int = 128, loaded: bool = False) -> Placement:
+    """Device, dtype, device map and gradient checkpointing for `ref` under `runtime` (see pip_core.placement).
+
+    `loaded=True` when the weights already sit on the device: their bytes count as available.
+    """
+    config = core_io.read_config(ensure_local(ref))
+    placement = plan_placement(config, runtime.device, runtime.dtype, seq_len)
+    if loaded and not placement.device_map:
+        placement = plan_placement(config, runtime.device, runtime.dtype, seq_len,
+                                   free_bytes=placement.free_bytes + placement.plan.weights)
+    return placement
+
+
+def load_model(ref: ModelRef, runtime: RuntimeSettings | None = None, *, for_update: bool = False,
+               seq_len: int = 128) -> tuple[Any, Any]:
     """(model, tokenizer) for `ref`: the object already in memory when its fingerprint matches, else from disk.
 
-    `for_update=True` is for tasks that modify the model in place: the in-memory copy is taken out
-    of the hand-off until the task puts back what it produced.
+    Loaded in `runtime`'s dtype on its device (whole, or spread by device_map='auto' when it does
+    not fit one GPU). `for_update=True` is for tasks that modify the model in place: the in-memory
+    copy is taken out of the hand-off until the task puts back what it produced.
     """
     held = HANDOFF.get(ref.fingerprint, take=for_update)
     if held is not None:
         return held
-    net, tokenizer = core_io.load(ensure_local(ref))
+    runtime = runtime or RuntimeSettings()
+    placement = placement_for(ref, runtime, seq_len)
+    net, tokenizer = core_io.load(ensure_local(ref), dtype=placement.dtype, device=placement.device,
+                                  device_map=placement.device_map)
+    log.info("loaded %s: %s", ref.fingerprint[:12], placement.describe())
     if not for_update:
         HANDOFF.put(ref.fingerprint, net, tokenizer)
     return net, tokenizer

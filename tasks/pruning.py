@@ -9,6 +9,7 @@ from pathlib import Path
 
 from prefect import task
 
+from infra.config import RuntimeSettings
 from infra.settings import Settings
 from pip_core import io as core_io
 from pip_core import prune
@@ -20,10 +21,11 @@ from tasks.refs import ModelRef, PrunePlan
 log = logging.getLogger(__name__)
 
 
-@task(name="prune-step", cache_key_fn=key_from("model", "plan"), persist_result=True, result_serializer="json")
-def prune_step(model: ModelRef, plan: PrunePlan) -> ModelRef:
-    """Apply `plan` to `model` and save the result as an ordinary HF directory."""
-    net, tokenizer = load_model(model, for_update=True)
+@task(name="prune-step", cache_key_fn=key_from("model", "plan", "runtime"), persist_result=True,
+      result_serializer="json")
+def prune_step(model: ModelRef, plan: PrunePlan, runtime: RuntimeSettings = RuntimeSettings()) -> ModelRef:
+    """Apply `plan` to `model` and save the result as an ordinary HF directory, in the dtype it was loaded in."""
+    net, tokenizer = load_model(model, runtime, for_update=True)
     before = core_io.param_count(net)
     prune.apply(net, [Unit(**u) for u in plan.units])
     after = core_io.param_count(net)

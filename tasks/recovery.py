@@ -12,8 +12,8 @@ import time
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
-from infra.config import RecoverySettings
 from infra.calibration import CalibrationSource, load_calibration
+from infra.config import RecoverySettings, RuntimeSettings
 from pip_core import io as core_io
 from pip_core.recovery import recover_lora
 from tasks._common import content_key, key_from
@@ -35,10 +35,11 @@ class RecoveryResult(BaseModel):
     seconds: float
 
 
-@task(name="recover-lora", cache_key_fn=key_from("model", "calib", "source_digest", "settings", "seed", "max_length"),
+@task(name="recover-lora", cache_key_fn=key_from("model", "calib", "source_digest", "settings", "seed", "max_length",
+                                                 "runtime"),
       persist_result=True, result_serializer="json")
 def recover(model: ModelRef, calib: CalibrationRef, calibration: str, source_digest: str, settings: RecoverySettings,
-            seed: int, max_length: int) -> RecoveryResult:
+            seed: int, max_length: int, runtime: RuntimeSettings = RuntimeSettings()) -> RecoveryResult:
     """Fine-tune LoRA adapters on calibration texts (never the held-out ones) and merge them.
 
     It draws up to `settings.max_texts` texts from the whole calibration source, not only the
@@ -49,7 +50,7 @@ def recover(model: ModelRef, calib: CalibrationRef, calibration: str, source_dig
     data = load_calibration(CalibrationSource(calibration).path, n_samples=settings.max_texts + len(held), seed=seed)
     texts = [t for t in data["text"] if t not in held][:settings.max_texts]
     log.info("LoRA recovery on %d calibration texts (%d held out)", len(texts), len(held))
-    net, tokenizer = load_model(model, for_update=True)
+    net, tokenizer = load_model(model, runtime, for_update=True, seq_len=max_length)
     start = time.perf_counter()
     merged, report = recover_lora(net, tokenizer, texts, steps=settings.steps, rank=settings.rank, lr=settings.lr,
                                   batch_size=settings.batch_size, max_length=max_length, seed=seed)

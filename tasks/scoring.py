@@ -20,14 +20,14 @@ from prefect import task
 
 from infra import atomic
 from infra.settings import Settings
-from infra.config import ScoringSettings
+from infra.config import RuntimeSettings, ScoringSettings
 from pip_core import schedule
 from pip_core import units as core_units
 from pip_core.schedule import ScoringOptions, StepSpec
 from pip_core.vocabulary import UnitKind
 from tasks._common import key_from
 from tasks.calibration import read_pairs
-from tasks.models import load_model
+from tasks.models import load_model, placement_for
 from tasks.refs import CalibrationRef, ModelRef, PrunePlan, StatsRef
 
 log = logging.getLogger(__name__)
@@ -54,22 +54,28 @@ def unit_id(unit: core_units.Unit) -> str:
     return f"{unit.kind}:{unit.layer}" + ("" if unit.index is None else f":{unit.index}")
 
 
-def scoring_options(scoring: ScoringSettings, max_length: int) -> ScoringOptions:
+def scoring_options(scoring: ScoringSettings, max_length: int, gradient_checkpointing: bool = False) -> ScoringOptions:
     """The config's scoring group as pip_core takes it."""
     return ScoringOptions(method=scoring.method, kind=scoring.unit, max_length=max_length,
                           protect_first=scoring.protect_first, protect_last=scoring.protect_last,
-                          width_mode=scoring.width_mode)
+                          width_mode=scoring.width_mode, gradient_checkpointing=gradient_checkpointing)
 
 
-@task(name="score-units", cache_key_fn=key_from("model", "calib", "scoring", "spec", "max_length"),
+@task(name="score-units", cache_key_fn=key_from("model", "calib", "scoring", "spec", "max_length", "runtime"),
       persist_result=True, result_serializer="json")
 def score_units(model: ModelRef, calib: CalibrationRef, scoring: ScoringSettings, spec: StepSpec,
-                max_length: int) -> StatsRef:
-    """Score every unit of `model` with the configured method (PIP: dual-view gradient differences)."""
-    net, tokenizer = load_model(model)
+                max_length: int, runtime: RuntimeSettings = RuntimeSettings()) -> StatsRef:
+    """Score every unit of `model` with the configured method (PIP: dual-view gradient differences).
+
+    Gradients are reduced to float32/float64 per unit whatever the weights' dtype; gradient
+    checkpointing is switched on when the plan says the activations do not fit.
+    """
+    net, tokenizer = load_model(model, runtime, seq_len=max_length)
+    placement = placement_for(model, runtime, max_length, loaded=True)
     started = time.perf_counter()
     pairs = read_pairs(calib)
-    found, scores = schedule.score_step(net, tokenizer, spec, scoring_options(scoring, max_length), pairs=pairs,
+    options = scoring_options(scoring, max_length, placement.gradient_checkpointing)
+    found, scores = schedule.score_step(net, tokenizer, spec, options, pairs=pairs,
                                         texts=[original for original, _ in pairs])
     seconds = time.perf_counter() - started
     out = Settings().work_dir / "stats" / model.fingerprint[:16] / \
