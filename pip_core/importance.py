@@ -78,14 +78,16 @@ def _unit_reducers(model: nn.Module, units: Sequence[Unit], acc: torch.Tensor,
         by_layer[(u.kind, u.layer)][u.index] = row
 
     def add(param: nn.Parameter, rows: torch.Tensor, dim: int | None) -> None:
+        rows = rows.to(acc.device)  # accumulate where `acc` lives: no host sync per gradient on a GPU
+
         def reduce(grad: torch.Tensor) -> None:
             value = fn(grad, param.detach())
             if dim is None:  # a whole block
-                acc[rows] += value.sum().to(acc.dtype)
+                acc[rows] += value.sum().to(acc.device, acc.dtype)
                 return
             other = tuple(d for d in range(value.dim()) if d != dim)
             per_position = value.sum(dim=other) if other else value
-            acc.index_add_(0, rows, per_position.to(acc.dtype))
+            acc.index_add_(0, rows, per_position.to(acc.device, acc.dtype))
         reducers[param].append(reduce)
 
     for (kind, i), rows_of in by_layer.items():
@@ -151,8 +153,8 @@ def pert_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], u
     perturbed = _encode(tokenizer, [p[1] for p in pairs], max_length)
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    total = torch.zeros(len(units), dtype=torch.float64)
-    sq = torch.zeros(len(units), dtype=torch.float64)
+    total = torch.zeros(len(units), dtype=torch.float64, device=device)
+    sq = torch.zeros(len(units), dtype=torch.float64, device=device)
     reducers = _unit_reducers(model, units, sq, _square)
     with _GradientTrap(model, reducers):
         for a, b in tqdm(list(zip(originals, perturbed)), desc="PIP dual-view gradients", disable=not progress):
@@ -161,7 +163,7 @@ def pert_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], u
             losses = per_sequence_loss(model, ids, mask)
             (losses[0] - losses[1]).backward()
             total += sq.sqrt()
-    return total / len(pairs)
+    return total.cpu() / len(pairs)
 
 
 def taylor(model: nn.Module, tokenizer, texts: Sequence[str], units: Sequence[Unit],  # noqa: ANN001
@@ -225,7 +227,7 @@ def block_influence(model: nn.Module, tokenizer, texts: Sequence[str], units: Se
             h_in = args[0] if args else kwargs["hidden_states"]
             h_out = output[0] if isinstance(output, tuple) else output
             cos = nn.functional.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
-            sums[i] += (1 - cos).sum().double()
+            sums[i] += (1 - cos).sum().double().cpu()
         return hook
 
     handles = [layer.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
