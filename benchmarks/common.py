@@ -42,7 +42,7 @@ def write(name: str, payload: dict, table: list[str]) -> Path:
 
 
 class Timer:
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         self.start = time.perf_counter()
         return self
 

@@ -71,7 +71,8 @@ def main() -> None:
     for name, model, method in subjects:
         for unit in ("block", "width"):
             pruned = copy.deepcopy(model)
-            schedule.prune_iteratively(pruned, tok, schedule.ScoringOptions(method, unit), args.ratio, 2, pairs=pairs, texts=texts,
+            schedule.prune_iteratively(pruned, tok, schedule.ScoringOptions(method, unit), args.ratio, 2, pairs=pairs,
+                                       texts=texts,
                                        progress=False)
             reduction = 1 - flops_per_token(pruned) / flops_per_token(model)
             for batch in (1, 8):

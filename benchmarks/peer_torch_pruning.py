@@ -138,7 +138,8 @@ def main() -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (args.model / name).is_file():  # the source's tokenizer files, byte for byte
             shutil.copy2(args.model / name, args.out / name)
-    report = {"peer": "torch-pruning", "torch_pruning": importlib.metadata.version("torch-pruning"), "transformers": transformers.__version__,
+    report = {"peer": "torch-pruning", "torch_pruning": importlib.metadata.version("torch-pruning"),
+              "transformers": transformers.__version__,
               "torch": torch.__version__, "target_ratio": args.ratio, "achieved_ratio": removed,
               "width_ratio": width_ratio, "prune_hidden": not args.keep_hidden, "prune_heads": prune_heads,
               "head_pruning_error": head_error, "params_before": total,

@@ -35,7 +35,8 @@ def main() -> None:
     held = [json.loads(line)["text"] for line in open(args.model / "tasks" / "persuasion.jsonl")][:30]
     stages = {"dense": {"token_ppl": perplexity(model, tok, held)["perplexity"],
                         **evaluate(model, tok, args.model, args.limit, scratch)}}
-    schedule.prune_iteratively(model, tok, schedule.ScoringOptions("pip", args.unit), args.ratio, 2, pairs=pairs, texts=texts, progress=False)
+    schedule.prune_iteratively(model, tok, schedule.ScoringOptions("pip", args.unit), args.ratio, 2, pairs=pairs,
+                               texts=texts, progress=False)
     stages["pruned"] = {"token_ppl": perplexity(model, tok, held)["perplexity"],
                         **evaluate(model, tok, args.model, args.limit, scratch)}
     train = [json.loads(line)["text"] for line in open(args.model / "calibration" / "calibration.jsonl")]

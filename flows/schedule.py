@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infra.config import CompressConfig
 from flows.compress import compress_flow
 from flows.deployments import COMPRESS
+from infra.config import CompressConfig
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ENTRYPOINT = COMPRESS.entrypoint

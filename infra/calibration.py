@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import pandas as pd
 import pandera.pandas as pa

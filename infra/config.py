@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
+
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -58,7 +59,7 @@ class ScoringSettings(_Group):
         return value.replace("-", "_") if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _check_method_unit(self) -> "ScoringSettings":
+    def _check_method_unit(self) -> ScoringSettings:
         if self.method == "block_influence" and self.unit != "block":
             raise ValueError("method 'block_influence' (ShortGPT) scores whole blocks: use --unit block")
         return self

@@ -10,7 +10,8 @@ from typing import Any
 _SECRET_NAME = re.compile(r"(secret|password|passwd|token|credential|access_key|api_key|session_key)", re.I)
 _ACCESS_KEY_ID = re.compile(r"\b(AKIA|ASIA)[A-Z0-9]{16}\b")
 #: an AWS secret key: exactly 40 base64 characters, mixed case (hex digests are lowercase)
-_SECRET_KEY = re.compile(r"(?<![A-Za-z0-9/+=])(?=[A-Za-z0-9/+=]*[A-Z])(?=[A-Za-z0-9/+=]*[a-z])[A-Za-z0-9/+=]{40}(?![A-Za-z0-9/+=])")
+_SECRET_KEY = re.compile(r"(?<![A-Za-z0-9/+=])(?=[A-Za-z0-9/+=]*[A-Z])(?=[A-Za-z0-9/+=]*[a-z])"
+                         r"[A-Za-z0-9/+=]{40}(?![A-Za-z0-9/+=])")
 MAX_PARAM_VALUE = 6000
 
 

@@ -123,6 +123,7 @@ def check_mlflow_artifacts(uri: str) -> None:
 def check_services(settings: Settings) -> None:
     """The bucket exists and the credentials may use it; MLflow answers."""
     import os
+
     import botocore.exceptions as bce
 
     from infra.s3store import s3_client

@@ -42,7 +42,7 @@ class PromotionGates(BaseModel):
                           "model in S3 (false: promote unsigned versions too)")
 
     @classmethod
-    def from_file(cls, path: Path) -> "PromotionGates":
+    def from_file(cls, path: Path) -> PromotionGates:
         from infra.config import read_yaml_mapping
 
         try:
@@ -92,7 +92,8 @@ def evaluate_gates(gates: PromotionGates, metrics: dict[str, float]) -> list[Gat
         got = metrics.get("final.achieved_ratio")
         results.append(GateResult(gate="parameter reduction", passed=got is not None and got >= gates.param_reduction_min,
                                   observed=got, threshold=gates.param_reduction_min,
-                                  detail="not logged" if got is None else f"{got:.2%} removed (need >= {gates.param_reduction_min:.2%})"))
+                                  detail="not logged" if got is None
+                                  else f"{got:.2%} removed (need >= {gates.param_reduction_min:.2%})"))
     return results
 
 

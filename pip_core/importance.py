@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from pip_core import chunked_loss
+from pip_core import chunked_loss, families
 from pip_core.errors import CalibrationError, PipCoreError
-from pip_core import families
 from pip_core.units import Unit, check_supported, decoder_layers, family_of, unit_tensors
 from pip_core.vocabulary import METHODS
 
@@ -117,7 +116,7 @@ class _GradientTrap:
         self.saved = {p: p.requires_grad for p in model.parameters()}
         self.handles: list = []
 
-    def __enter__(self) -> "_GradientTrap":
+    def __enter__(self) -> _GradientTrap:
         wanted = set(self.reducers)
         for p in self.model.parameters():
             p.requires_grad_(p in wanted)
@@ -157,7 +156,7 @@ def pert_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], u
     sq = torch.zeros(len(units), dtype=torch.float64, device=device)
     reducers = _unit_reducers(model, units, sq, _square)
     with _GradientTrap(model, reducers):
-        for a, b in tqdm(list(zip(originals, perturbed)), desc="PIP dual-view gradients", disable=not progress):
+        for a, b in tqdm(list(zip(originals, perturbed, strict=False)), desc="PIP dual-view gradients", disable=not progress):
             sq.zero_()
             ids, mask = _batch([a, b], pad, device)
             losses = per_sequence_loss(model, ids, mask)

@@ -12,8 +12,9 @@ import hashlib
 import random
 import re
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from pip_core.errors import CalibrationError
 from pip_core.wordlist import WordList

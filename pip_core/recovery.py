@@ -7,8 +7,8 @@ Hugging Face directory like any pruned model (no adapter files, no peft needed t
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn

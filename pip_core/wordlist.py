@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 from pip_core.errors import CalibrationError
 
@@ -35,11 +35,11 @@ class WordList:
         return len(self.words)
 
     @classmethod
-    def of(cls, words: Iterable[str]) -> "WordList":
+    def of(cls, words: Iterable[str]) -> WordList:
         return cls(frozenset(w.lower() for w in words if w and w.isascii() and w.isalpha()))
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "WordList":
+    def from_file(cls, path: str | Path) -> WordList:
         """One word per line (e.g. /usr/share/dict/words); non-alphabetic entries are skipped."""
         raw = Path(path).read_bytes()
         try:
@@ -49,12 +49,12 @@ class WordList:
         return cls.of(line.strip() for line in text.splitlines())
 
     @classmethod
-    def from_texts(cls, texts: Iterable[str], min_count: int = 2, min_len: int = 2) -> "WordList":
+    def from_texts(cls, texts: Iterable[str], min_count: int = 2, min_len: int = 2) -> WordList:
         """The vocabulary of a corpus: words seen at least `min_count` times."""
         counts = Counter(w.lower() for t in texts for w in WORD.findall(t) if len(w) >= min_len)
         return cls.of(w for w, c in counts.items() if c >= min_count)
 
-    def union(self, other: "WordList") -> "WordList":
+    def union(self, other: WordList) -> WordList:
         return WordList(self.words | other.words)
 
     def write(self, path: str | Path) -> None:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 from prefect import task
 
-from infra.config import CalibrationSettings
+from infra import atomic
 from infra.calibration import CalibrationSource, calibration_hash, load_calibration
+from infra.config import CalibrationSettings
 from infra.settings import Settings
 from pip_core.perturb import Perturber
 from pip_core.wordlist import WordList
-from infra import atomic
 from tasks._common import key_from
 from tasks.refs import CalibrationRef
 

@@ -19,8 +19,8 @@ import pandera.pandas as pa
 from prefect import task
 
 from infra import atomic
-from infra.settings import Settings
 from infra.config import RuntimeSettings, ScoringSettings
+from infra.settings import Settings
 from pip_core import schedule
 from pip_core import units as core_units
 from pip_core.schedule import ScoringOptions, StepSpec
@@ -82,7 +82,7 @@ def score_units(model: ModelRef, calib: CalibrationRef, scoring: ScoringSettings
         f"{scoring.method}-{scoring.unit}-{calib.data_hash[:12]}-s{spec.seed}"
     out.mkdir(parents=True, exist_ok=True)
     rows = [{"unit_id": unit_id(u), "kind": u.kind, "layer": u.layer, "index": u.index,
-             "num_params": u.num_params, "score": s} for u, s in zip(found, scores)]
+             "num_params": u.num_params, "score": s} for u, s in zip(found, scores, strict=False)]
     atomic.write_text(out / "stats.json", json.dumps(rows))
     log.info("%s scored %d %s units in %.1fs", scoring.method, len(found), scoring.unit, seconds)
     return StatsRef(path=str(out / "stats.json"), model_fingerprint=model.fingerprint, method=scoring.method,

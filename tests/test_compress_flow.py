@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-
 from tests.helpers import FlakyS3Proxy, s3_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]

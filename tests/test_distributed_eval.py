@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 
-
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-
 from tests.helpers import cli, s3_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
@@ -99,7 +98,7 @@ def test_promotion_fails_then_passes_on_the_right_gates(env, registered, tmp_pat
     lenient = tmp_path / "lenient.yaml"
     lenient.write_text(yaml.safe_dump({"gates": {"param_reduction_min": 0.15, "perplexity_increase_max": 100.0,
                                                  "retained_min": {"pipprune_wordnet_cloze.acc": 0.1}}}))
-    for attempt in range(2):  # the second promotion is a no-op
+    for _ in range(2):  # the second promotion is a no-op
         done = cli(env, "promote", NAME, "--version", registered["model_version"], "--alias", "champion",
                    "--gates", str(lenient), "--reason", "nightly")
         assert done.returncode == 0, done.stdout + done.stderr

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-
 from tests.helpers import FlakyS3Proxy, cli, s3_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]

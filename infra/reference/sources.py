@@ -93,7 +93,8 @@ def austen_dir(cache_dir: Path) -> Path:
                 _run(["apt-get", "update"])
                 _run(["apt-get", "download", AUSTEN_DEB], cwd=debs)
             else:
-                raise MissingDataPackage(f"cannot download {AUSTEN_DEB}; run: cd {debs} && apt-get download {AUSTEN_DEB}")
+                raise MissingDataPackage(f"cannot download {AUSTEN_DEB}; run: cd {debs} && apt-get download {AUSTEN_DEB}") \
+                    from None
         found = sorted(debs.glob(f"{AUSTEN_DEB}_*.deb"))
     _run(["dpkg-deb", "-x", str(found[-1]), str(target)])
     return next(target.glob("usr/lib/R/site-library/janeaustenr/data"))

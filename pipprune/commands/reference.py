@@ -41,7 +41,7 @@ def build(
         manifest = build_reference(size, out, cache_dir or Settings().home / "cache", seed=seed)
     except MissingDataPackage as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from exc
     typer.echo(f"built {manifest['name']} in {out}: {manifest['num_parameters']:,} parameters, "
                f"train loss {manifest['training']['final_train_loss']:.3f}, "
                f"held-out perplexity {manifest['heldout_perplexity']:.1f} (uniform: {manifest['uniform_perplexity']:.0f})")
