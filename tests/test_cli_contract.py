@@ -110,14 +110,13 @@ def test_bad_input_is_refused_before_any_work(case, stack_env, tiny_reference_di
         assert path.read_bytes() == data, path
 
 
-def test_debug_shows_the_traceback_bad_input_does_not(tmp_path):
+def test_debug_shows_the_traceback_bad_input_does_not(tiny_reference_dir, tmp_path):
     env = {**os.environ, "PIPPRUNE_HOME": str(tmp_path / "home")}
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{not json")
-    plain = cli(env, "compress", "--model", str(tmp_path / "model"), "--calibration", str(tmp_path))
-    assert plain.returncode in (1, 2) and "Traceback" not in plain.stderr, plain.stderr
-    debug = cli(env, "compress", "--model", str(tmp_path / "model"), "--calibration", str(tmp_path), "--debug")
-    assert debug.returncode == plain.returncode and "Traceback" in debug.stderr, debug.stderr[-2000:]
+    args = ["compress", "--model", str(tiny_reference_dir), "--config", str(_yaml_error(tiny_reference_dir, tmp_path))]
+    plain = cli(env, *args)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr, plain.stderr
+    debug = cli(env, *args, "--debug")
+    assert debug.returncode == 2 and "Traceback" in debug.stderr and "YAML syntax error" in debug.stderr, debug.stderr
 
 
 def test_unreachable_remote_services_exit_3_and_start_nothing(tiny_reference_dir, tmp_path):
