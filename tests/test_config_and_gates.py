@@ -117,3 +117,17 @@ def test_gate_file_unknown_key(tmp_path):
 def test_invalid_alias(alias):
     with pytest.raises(PromotionError, match="alias"):
         check_alias(alias)
+
+
+def test_cli_help_and_defaults_come_from_the_config_model():
+    from typer.testing import CliRunner
+
+    from infra.config import CompressConfig, ScoringSettings
+    from pipprune.cli import app
+    from pipprune.commands.common import config_help
+
+    assert config_help("scoring.iterations") == (f"{ScoringSettings.model_fields['iterations'].description} "
+                                                 f"(default: {ScoringSettings().iterations})")
+    assert str(CompressConfig.model_fields["ratio"].default) in config_help("ratio")
+    shown = " ".join(CliRunner().invoke(app, ["compress", "--help"]).output.replace("│", " ").split())
+    assert config_help("scoring.iterations") in shown and config_help("calibration.n_samples") in shown

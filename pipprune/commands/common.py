@@ -105,3 +105,21 @@ def validation_message(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
     return str(exc)
+
+
+def config_help(path: str, note: str = "") -> str:
+    """An option's help text read from the job config model (description and default), so the CLI and the
+    config file never disagree. `path` is the field's place in the config, e.g. "scoring.unit"."""
+    from pydantic_core import PydanticUndefined
+
+    from infra.config import CompressConfig
+
+    model: type = CompressConfig
+    *groups, name = path.split(".")
+    for group in groups:
+        model = model.model_fields[group].annotation
+    field = model.model_fields[name]
+    text = " ".join(part for part in (field.description or "", note) if part)
+    if field.default is not PydanticUndefined and field.default not in (None, ()):
+        text += f" (default: {field.default})"
+    return text
