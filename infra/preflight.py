@@ -44,36 +44,29 @@ def check_inputs(config: CompressConfig) -> None:
                              "weights); see `pipprune plan`")
 
 
-def check_mlflow(uri: str | None) -> None:
-    """An HTTP tracking server must answer its health check (bounded: a few seconds)."""
+def _check_health(url: str, name: str, setting: str) -> None:
+    """`url`/health must answer 200 within a few seconds; else the service is unreachable (exit 3)."""
     import urllib.request
 
-    if not uri or not uri.startswith(("http://", "https://")):
-        return
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:  # noqa: S310
-            if response.status == 200:
-                return
-    except OSError as exc:
-        raise ServiceUnreachable(f"cannot reach MLflow at {uri}: {exc}; start it, or fix "
-                                 "PIPPRUNE_MLFLOW_TRACKING_URI") from exc
-    raise ServiceUnreachable(f"MLflow at {uri} is not healthy")
-
-
-def check_prefect(url: str | None) -> None:
-    """A Prefect API server, when one is configured, must answer its health check."""
-    import urllib.request
-
-    if not url:
-        return
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as response:  # noqa: S310
             if response.status == 200:
                 return
     except OSError as exc:
-        raise ServiceUnreachable(f"cannot reach the Prefect API at {url}: {exc}; start it, or fix "
-                                 "PIPPRUNE_PREFECT_API_URL") from exc
-    raise ServiceUnreachable(f"the Prefect API at {url} is not healthy")
+        raise ServiceUnreachable(f"cannot reach {name} at {url}: {exc}; start it, or fix {setting}") from exc
+    raise ServiceUnreachable(f"{name} at {url} is not healthy")
+
+
+def check_mlflow(uri: str | None) -> None:
+    """An HTTP tracking server must answer its health check (bounded: a few seconds)."""
+    if uri and uri.startswith(("http://", "https://")):
+        _check_health(uri, "MLflow", "PIPPRUNE_MLFLOW_TRACKING_URI")
+
+
+def check_prefect(url: str | None) -> None:
+    """A Prefect API server, when one is configured, must answer its health check."""
+    if url:
+        _check_health(url, "the Prefect API", "PIPPRUNE_PREFECT_API_URL")
 
 
 def _refusal(client, bucket: str) -> str:  # noqa: ANN001 - boto3 client
