@@ -46,6 +46,18 @@ stack-down:
 
 bench: install data
 	$(BIN)/pipprune reference build --size small --out $(STATE)/reference/small
+	$(BIN)/pipprune reference build --size tiny --out $(REF_TINY)
+	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --width-mode per_layer --heldout persuasion,wordnet
+	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units width,block --ratios 0.2 --seeds 0,1,2 \
+		--width-mode per_layer --heldout persuasion,wordnet --name divergence_seeds
+	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units width --methods \
+		pip_l2,pip_first_order,random,magnitude,taylor --heldout persuasion,wordnet --name divergence_uniform
+	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units width --ratios 0.2 --seeds 0,1,2 --methods \
+		pip_l2,pip_first_order,random,magnitude,taylor --heldout persuasion,wordnet --name divergence_uniform_seeds
+	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units block --ratios 0.1 --seeds 0,1,2 --methods \
+		pip_l2,pip_first_order,magnitude,taylor,block_influence --heldout persuasion,wordnet --name divergence_block_seeds
+	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units width,block --ratios 0.2 --width-mode per_layer \
+		--methods pip_l2,pip_single_view --heldout persuasion,wordnet --name ablation_perturbation
 	$(BIN)/python -m benchmarks.quality
 	$(BIN)/python -m benchmarks.cost
 	$(BIN)/python -m benchmarks.overhead

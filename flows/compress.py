@@ -51,7 +51,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     with run_lock(Settings(), run_key), tracking_run(run_key, records.run_params(config, calib), lineage) as run_id:
         log_datasets(run_id, config.calibration.source, calib)
         # 2. prune in re-scored steps; each is checkpointed to S3, and a rerun resumes after the last one
-        before, done = quick_eval(source.model, calib, max_length, rt), find_resume_point(run_key)
+        before = quick_eval(source.model, calib, max_length, rt, reference=source.model)
+        done = find_resume_point(run_key)
         model, history = records.resumed_history(source.model, before, done[:config.scoring.iterations])
         progress = StepProgress(config.scoring.iterations)
         for i, cumulative in list(enumerate(plan(config.ratio, config.scoring.iterations), start=1))[len(done):]:
@@ -59,7 +60,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
             stats = score_units(model, calib, config.scoring, spec, max_length, rt)
             selection = select_units(stats, config.scoring, spec)
             pruned = prune_step(model, selection, rt)
-            metrics = records.step_metrics(quick_eval(pruned, calib, max_length, rt), pruned, total, selection, stats)
+            metrics = records.step_metrics(quick_eval(pruned, calib, max_length, rt, reference=source.model), pruned,
+                                           total, selection, stats)
             model = checkpoint(run_key, i, pruned, selection.table_path,
                                records.step_record(i, selection, metrics, pruned, lineage))
             history.append(records.history_row(i, model, metrics))
@@ -67,7 +69,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
             progress.step(i, stats.n_units, len(selection.units), total, model.num_params)
         # 3. optional recovery, then the final evaluation of both models and the registered version
         pre_recovery = records.heldout(history[-1]) if config.recovery.enabled else None
-        model = _recovery_stage(config, run_key, run_id, lineage, model, calib, source_digest, done, history)
+        model = _recovery_stage(config, run_key, run_id, lineage, model, calib, source_digest, done, history,
+                                source.model)
         ev, content = config.evaluation, tasks_digest(config.evaluation.include_path)
         final_eval = evaluate(model, ev.tasks, ev.include_path, content, ev.limit, rt)  # while it is in memory
         source_eval = evaluate(source.model, ev.tasks, ev.include_path, content, ev.limit, rt)
@@ -85,7 +88,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
 
 
 def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: dict[str, str], model: ModelRef,
-                    calib: CalibrationRef, source_digest: str, done: list[dict], history: list[dict]) -> ModelRef:
+                    calib: CalibrationRef, source_digest: str, done: list[dict], history: list[dict],
+                    dense: ModelRef | None = None) -> ModelRef:
     """LoRA recovery as checkpoint stage N+1 (resumed from S3 when that stage already finished); off: `model`."""
     if not config.recovery.enabled:
         return model
@@ -97,7 +101,8 @@ def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: 
     max_length, rt = config.calibration.max_length, config.runtime
     result = recover(model, calib, config.calibration.source, source_digest, config.recovery, config.seed, max_length,
                      rt)
-    metrics = {**quick_eval(result.model, calib, max_length, rt), "num_params": float(result.model.num_params),
+    metrics = {**quick_eval(result.model, calib, max_length, rt, reference=dense),
+               "num_params": float(result.model.num_params),
                "achieved_ratio": records.removed_fraction(total, result.model.num_params),
                "recovery_texts": float(result.n_texts), "recovery_first_loss": result.first_loss,
                "recovery_last_loss": result.last_loss, "recovery_seconds": result.seconds}

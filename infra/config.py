@@ -40,7 +40,8 @@ class ScoringSettings(_Group):
     """What is pruned, by which criterion, in how many re-scored steps."""
 
     unit: PruneTarget = Field("block", description="structural unit: block | attn | mlp | width")
-    method: Method = Field("pip", description="criterion: pip | random | magnitude | taylor | block-influence")
+    method: Method = Field("pip", description="criterion: pip | pip_l2 | pip_first_order | pip_single_view | random | "
+                                          "magnitude | taylor | block-influence")
     iterations: int = Field(4, ge=1, le=100, description="prune/re-score steps to reach the ratio")
     width_mode: WidthMode = Field("uniform", description="uniform | per-layer: uniform cuts every layer alike, so "
                                   "the output is the family's stock config (vLLM, llama.cpp load it) and "

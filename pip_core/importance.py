@@ -24,6 +24,9 @@ from pip_core.vocabulary import METHODS
 
 log = logging.getLogger(__name__)
 
+#: the form `pip` uses (see pert_import and the README's PIP section for the evidence)
+PIP_DEFAULT_FORM = "l2"
+
 
 # ---------------------------------------------------------------- tokenisation
 
@@ -143,9 +146,22 @@ def _square(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return grad.float().pow(2)
 
 
+#: PIP's forms of the per-unit gradient difference d = grad(L(s)) - grad(L(s~)):
+#: "l2" = ||d|| over the unit (the paper's literal PertImport); "first_order" = sum |w * d|,
+#: the first-order change of the perturbation sensitivity when the unit is removed;
+#: "single_view" = ||grad(L(s))|| (ablation: no perturbation at all).
+PIP_FORMS = ("l2", "first_order", "single_view")
+
+
+def _abs_product(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (grad.float() * weight.float()).abs()
+
+
 def pert_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
-                max_length: int = 128, progress: bool = True) -> torch.Tensor:
-    """PIP: mean over pairs of the L2 norm of each unit's gradient difference between the views."""
+                max_length: int = 128, progress: bool = True, form: str = "l2") -> torch.Tensor:
+    """PIP: mean over pairs of each unit's gradient difference between the views, in `form`."""
+    if form not in PIP_FORMS:
+        raise PipCoreError(f"unknown PIP form {form!r}; use one of {', '.join(PIP_FORMS)}")
     if not pairs:
         raise CalibrationError("empty calibration set: no (original, perturbed) pairs")
     originals = _encode(tokenizer, [p[0] for p in pairs], max_length)
@@ -153,15 +169,16 @@ def pert_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], u
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     total = torch.zeros(len(units), dtype=torch.float64, device=device)
-    sq = torch.zeros(len(units), dtype=torch.float64, device=device)
-    reducers = _unit_reducers(model, units, sq, _square)
+    acc = torch.zeros(len(units), dtype=torch.float64, device=device)
+    reducers = _unit_reducers(model, units, acc, _abs_product if form == "first_order" else _square)
     with _GradientTrap(model, reducers):
-        for a, b in tqdm(list(zip(originals, perturbed, strict=False)), desc="PIP dual-view gradients", disable=not progress):
-            sq.zero_()
+        for a, b in tqdm(list(zip(originals, perturbed, strict=False)), desc="PIP dual-view gradients",
+                         disable=not progress):
+            acc.zero_()
             ids, mask = _batch([a, b], pad, device)
             losses = per_sequence_loss(model, ids, mask)
-            (losses[0] - losses[1]).backward()
-            total += sq.sqrt()
+            (losses[0] if form == "single_view" else losses[0] - losses[1]).backward()
+            total += acc if form == "first_order" else acc.sqrt()
     return total.cpu() / len(pairs)
 
 
@@ -276,8 +293,9 @@ def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=Non
             return magnitude(model, units)
         if tokenizer is None:
             raise PipCoreError(f"method {method!r} needs a tokenizer")
-        if method == "pip":
-            return pert_import(model, tokenizer, pairs or [], units, max_length, progress)
+        if method.startswith("pip"):
+            form = PIP_DEFAULT_FORM if method == "pip" else method.removeprefix("pip_")
+            return pert_import(model, tokenizer, pairs or [], units, max_length, progress, form)
         calib = list(texts) if texts is not None else [p[0] for p in (pairs or [])]
         if method == "taylor":
             return taylor(model, tokenizer, calib, units, max_length, progress)

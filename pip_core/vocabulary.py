@@ -15,7 +15,10 @@ PruneTarget = Literal["block", "attn", "mlp", "width"]
 #: unit kinds that each prune target scores
 KINDS: dict[str, tuple[str, ...]] = {"block": ("block",), "attn": ("attn",), "mlp": ("mlp",), "width": ("attn", "mlp")}
 
-Method = Literal["pip", "random", "magnitude", "taylor", "block_influence"]
+#: `pip` is PIP in its default form (importance.PIP_DEFAULT_FORM); `pip_l2` is the paper's literal
+#: PertImport, `pip_first_order` sum |w * gradient difference|, `pip_single_view` the no-perturbation ablation
+Method = Literal["pip", "pip_l2", "pip_first_order", "pip_single_view", "random", "magnitude", "taylor",
+                 "block_influence"]
 METHODS: tuple[str, ...] = get_args(Method)
 #: CLI spellings accepted for methods (the design card writes "block-influence")
 METHOD_ALIASES = {"block-influence": "block_influence"}

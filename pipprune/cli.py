@@ -213,13 +213,19 @@ def _print_summary(summary, settings) -> None:  # noqa: ANN001 - rich output onl
 @app.command("eval")
 def eval_cmd(
     model: str = typer.Option(..., help="model directory"),
-    tasks: str = typer.Option(..., help="comma-separated lm-eval task names"),
+    tasks: str = typer.Option("", help="comma-separated lm-eval task names"),
     include_path: Optional[Path] = typer.Option(None, help="directory of local lm-eval task YAMLs"),
     limit: Optional[int] = typer.Option(None, help="limit examples per task"),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own)"),
+    reference: Optional[Path] = typer.Option(None, help="dense model dir: add KL / top-1 agreement / ppl ratio"),
+    heldout: Optional[Path] = typer.Option(None, help="held-out text (JSONL 'text' or blank-line separated) for "
+                                           "--reference; default REFERENCE/tasks/persuasion.jsonl"),
 ) -> None:
-    """Evaluate a model directory with lm-eval; stdout: {"schema": 1, "results": {task: {metric: value}}}."""
+    """Evaluate a model directory with lm-eval; stdout: {"schema": 1, "results": {task: {metric: value}}}.
+
+    With --reference, results["divergence"] holds KL / top-1 agreement / ppl ratio to the dense model.
+    """
     from infra import progress
 
     progress.configure(progress.choose_mode(False, sys.stderr.isatty()))
@@ -234,24 +240,33 @@ def eval_cmd(
 
         prepare_runtime(start_stack=False)
         names = [t.strip() for t in tasks.split(",") if t.strip()]
-        if not names:
-            fail("--tasks is empty")
+        if not names and reference is None:
+            fail("--tasks is empty (give --tasks, --reference, or both)")
         if not Path(model).is_dir():
             fail(f"model not found: {model} is not a directory")
         from infra.preflight import PreflightError, check_eval_tasks, check_weights_intact
 
         try:
             check_weights_intact(Path(model))
-            check_eval_tasks(tuple(names), str(include_path) if include_path else None)
+            if names:
+                check_eval_tasks(tuple(names), str(include_path) if include_path else None)
         except PreflightError as exc:
             fail(str(exc))
         from infra.lmeval import run_lmeval
 
         try:
             results = run_lmeval(Path(model), names, include_path=include_path, limit=limit, device=device,
-                                 dtype=dtype)
+                                 dtype=dtype) if names else {}
         except (ValueError, KeyError, FileNotFoundError) as exc:
             fail(f"evaluation failed: {exc}", code=FAILED)
+        if reference is not None:
+            from pip_core.errors import PipCoreError
+            from tasks.evaluation import reference_divergence
+
+            try:
+                results["divergence"] = reference_divergence(Path(model), reference, heldout, device=device)
+            except PipCoreError as exc:
+                fail(str(exc))
         doc.emit({"ok": True, "model": model, "results": results})
 
 

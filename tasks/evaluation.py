@@ -8,7 +8,9 @@ from pathlib import Path
 from prefect import task
 
 from infra.config import RuntimeSettings
-from infra.hashing import tree_digest
+from infra.hashing import sha256_file, tree_digest
+from pip_core import io as core_io
+from pip_core.divergence import divergence
 from pip_core.perplexity import perplexity
 from tasks._common import key_from
 from tasks.calibration import read_heldout
@@ -18,18 +20,64 @@ from tasks.refs import CalibrationRef, ModelRef
 log = logging.getLogger(__name__)
 
 
-@task(name="quick-eval", cache_key_fn=key_from("model", "calib", "max_length", "runtime"), persist_result=True,
-      result_serializer="json")
+@task(name="quick-eval", cache_key_fn=key_from("model", "calib", "max_length", "runtime", "reference"),
+      persist_result=True, result_serializer="json")
 def quick_eval(model: ModelRef, calib: CalibrationRef, max_length: int,
-               runtime: RuntimeSettings = RuntimeSettings()) -> dict[str, float]:
-    """Perplexity on the calibration texts held out from scoring."""
+               runtime: RuntimeSettings = RuntimeSettings(), reference: ModelRef | None = None) -> dict[str, float]:
+    """Perplexity on the texts held out from scoring; with `reference` (the dense model) also KL to it."""
     texts = read_heldout(calib)
     if not texts:
         return {}
     net, tokenizer = load_model(model, runtime, seq_len=max_length)
     metrics = perplexity(net, tokenizer, texts, max_length=max_length)
     log.info("quick eval: perplexity %.3f on %d held-out texts", metrics["perplexity"], len(texts))
-    return {"heldout_perplexity": metrics["perplexity"], "heldout_nll": metrics["nll"]}
+    out = {"heldout_perplexity": metrics["perplexity"], "heldout_nll": metrics["nll"]}
+    if reference is not None:
+        out.update(divergence_metrics(reference, net, tokenizer, texts, max_length,
+                                      same=reference.fingerprint == model.fingerprint, runtime=runtime))
+    return out
+
+
+def divergence_metrics(reference: ModelRef | Path, net, tokenizer, texts: list[str], max_length: int,  # noqa: ANN001
+                       same: bool = False, runtime: RuntimeSettings | None = None) -> dict[str, float]:
+    """heldout_kl (mean per-token KL(dense || model)), heldout_top1_agreement and heldout_ppl_ratio."""
+    if same:
+        return {"heldout_kl": 0.0, "heldout_top1_agreement": 1.0, "heldout_ppl_ratio": 1.0}
+    # read like any model (runtime placement) but kept out of the hand-off (for_update): the single
+    # hand-off slot must keep the pruned model in hand for the next step
+    dense = (core_io.load(reference)[0] if isinstance(reference, Path)
+             else load_model(reference, runtime, for_update=True, seq_len=max_length)[0])
+    m = divergence(dense, net, tokenizer, texts, max_length=max_length)
+    log.info("quick eval: KL to dense %.4f, top-1 agreement %.3f, perplexity ratio %.3f", m["kl"],
+             m["top1_agreement"], m["ppl_ratio"])
+    return {"heldout_kl": m["kl"], "heldout_top1_agreement": m["top1_agreement"], "heldout_ppl_ratio": m["ppl_ratio"]}
+
+
+def reference_divergence(model_dir: Path, reference_dir: Path, heldout: Path | None,
+                         max_length: int = 256, device: str | None = None) -> dict[str, float]:
+    """`pipprune eval --reference`: KL etc. to the dense model with 95% document-bootstrap intervals."""
+    from pip_core import bootstrap
+    from pip_core.divergence import doc_stats, read_texts
+    from pip_core.errors import PipCoreError
+
+    if not Path(reference_dir).is_dir():
+        raise PipCoreError(f"reference model directory not found: {reference_dir}")
+    path = Path(heldout) if heldout else Path(reference_dir) / "tasks" / "persuasion.jsonl"
+    if heldout is None and not path.is_file():
+        raise PipCoreError(f"{reference_dir} has no tasks/persuasion.jsonl; pass --heldout FILE")
+    texts = read_texts(path)
+    dense, tokenizer = core_io.load(Path(reference_dir), device=device)
+    net, _ = core_io.load(Path(model_dir), device=device, tokenizer=False)
+    stats = doc_stats(dense, net, tokenizer, texts, max_length=max_length)
+    out: dict[str, float] = {**stats.metrics(), "max_length": float(max_length)}
+    if len(texts) >= 2:
+        for metric in ("kl", "top1_agreement", "ppl_ratio"):
+            ci = bootstrap.interval(stats, metric)
+            out[f"{metric}_ci95_low"], out[f"{metric}_ci95_high"] = ci.low, ci.high
+    out["heldout_sha256"] = sha256_file(path)  # type: ignore[assignment]
+    return out
+
+
 
 
 def tasks_digest(include_path: str | None) -> str | None:

@@ -94,6 +94,9 @@ def log_iteration(run_id: str, iteration: int, metrics: dict[str, float], score_
         if len(history) > 1:
             curve = plots.save(plots.quality_curve(history), Path(tmp) / "quality_vs_params_removed.png")
             client.log_artifact(run_id, str(curve), "plots")
+            if all("heldout_kl" in h for h in history):  # KL(dense || model) per token, 0 for the dense row
+                kl = plots.save(plots.quality_curve(history, "heldout_kl"), Path(tmp) / "kl_vs_params_removed.png")
+                client.log_artifact(run_id, str(kl), "plots")
 
 
 @task(name="log-recovery", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)

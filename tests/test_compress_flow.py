@@ -88,8 +88,9 @@ def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, tiny_re
     summary, _, loads = first_run
     # one model handed from task to task: the source is read from disk for its quick eval (scoring, pruning,
     # the quick evals of both steps and the final model's lm-eval reuse the object in memory) and once more
-    # for its own lm-eval after pruning consumed the first copy
-    assert loads == [str(tiny_reference_dir)] * 2, loads
+    # for its own lm-eval after pruning consumed the first copy; each step's KL to the dense model reads the
+    # source once more (kept out of the hand-off, which holds the pruned model for the next step)
+    assert [str(Path(p).resolve()) for p in loads] == [str(tiny_reference_dir.resolve())] * 4, loads
     assert abs(summary.achieved_ratio - 0.2) < 0.05
     assert summary.params_after < summary.params_before
 
@@ -100,6 +101,9 @@ def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, tiny_re
     assert sorted(m.step for m in history) == [1, 2]
     assert history[-1].value == summary.params_after
     assert [m.step for m in client.get_metric_history(summary.mlflow_run_id, "heldout_perplexity")] == [1, 2]
+    kl = [m.value for m in sorted(client.get_metric_history(summary.mlflow_run_id, "heldout_kl"), key=lambda m: m.step)]
+    assert len(kl) == 2 and 0 < kl[0] < kl[1] and summary.metrics_after["heldout_kl"] == kl[1]
+    assert summary.metrics_before["heldout_kl"] == 0.0 and 0 < summary.metrics_after["heldout_top1_agreement"] < 1
     files = {a.path for a in client.list_artifacts(summary.mlflow_run_id, "iterations/iter-1")}
     assert {"iterations/iter-1/score_table.csv", "iterations/iter-1/unit_scores.png",
             "iterations/iter-1/units_removed.json"} <= files

@@ -1,0 +1,176 @@
+"""KL to the dense model with paired-bootstrap intervals: PIP against each baseline, per unit kind and ratio.
+
+Every run prunes a copy of the same model with the same calibration pairs and seed, then measures
+KL(dense || pruned), top-1 agreement and the perplexity ratio on the reference's held-out
+Persuasion chunks (never calibration text). Per-document sums are stored in the JSON, so every
+interval and verdict in the table is recomputed from them (pip_core.bootstrap).
+Usage: python -m benchmarks.divergence [--model DIR] [--ratios 0.1,0.2,0.3] [--units width,block]
+       [--methods pip,pip_l2,...] [--pairs 32] [--iterations 2] [--seeds 0] [--width-mode uniform|per_layer]
+       [--heldout persuasion,wordnet] [--name divergence]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
+
+#: `pip` is one of the named forms (importance.PIP_DEFAULT_FORM), so it is not run twice
+METHODS = {"block": ["pip_l2", "pip_first_order", "random", "magnitude", "taylor", "block_influence"],
+           "width": ["pip_l2", "pip_first_order", "random", "magnitude", "taylor"]}
+#: what each PIP form is compared with; pip_single_view is the no-perturbation ablation
+BASELINES = ("random", "magnitude", "taylor", "block_influence", "pip_single_view")
+N_BOOT = 2000
+
+
+def wordnet_documents(n_docs: int = 100, per_doc: int = 12, seed: int = 0) -> list[str]:
+    """Dictionary prose the reference never trained on: WordNet definitions ("lemma: gloss."), 12 per document."""
+    import random
+    import re
+
+    from infra.reference import sources
+
+    entries = []
+    for pos in ("noun", "verb", "adj"):
+        for line in (sources.WORDNET / f"data.{pos}").read_text(encoding="latin-1").splitlines():
+            if line.startswith(" ") or " | " not in line:
+                continue
+            head, _, gloss = line.partition(" | ")
+            definition = re.sub(r'"[^"]*"', "", gloss).split(";")[0].strip()
+            if len(definition.split()) >= 4:
+                entries.append(f"{head.split()[4].replace('_', ' ')}: {definition}.")
+    rng = random.Random(seed)
+    picked = rng.sample(entries, n_docs * per_doc)
+    return [" ".join(picked[i * per_doc:(i + 1) * per_doc]) for i in range(n_docs)]
+
+
+def heldout_texts(model_dir: Path, which: str) -> tuple[list[str], str]:
+    """Held-out documents ('persuasion': the reference's held-out novel chunks; 'wordnet'; or a file) + digest."""
+    from pip_core.divergence import read_texts
+
+    if which == "wordnet":
+        texts = wordnet_documents()
+    else:
+        texts = read_texts(model_dir / "tasks" / "persuasion.jsonl" if which == "persuasion" else Path(which))
+    return texts, hashlib.sha256("\n\x00".join(texts).encode()).hexdigest()
+
+
+def summarise(runs: list[dict], n_boot: int = N_BOOT) -> tuple[list[dict], list[dict]]:
+    """Per (unit, ratio, method): KL/agreement/ppl-ratio intervals; per PIP form vs baseline: paired verdicts."""
+    from pip_core import bootstrap
+    from pip_core.divergence import DocStats
+
+    summary, verdicts = [], []
+    keys = sorted({(r["unit"], r["ratio"], r["seed"]) for r in runs})
+    for unit, ratio, seed in keys:
+        group = {r["method"]: DocStats.from_json(r["docs"]) for r in runs
+                 if (r["unit"], r["ratio"], r["seed"]) == (unit, ratio, seed)}
+        for method, stats in group.items():
+            row = {"unit": unit, "ratio": ratio, "seed": seed, "method": method}
+            for metric in ("kl", "top1_agreement", "ppl_ratio"):
+                row[metric] = bootstrap.interval(stats, metric, n_boot=n_boot, seed=seed).as_dict()
+            summary.append(row)
+        for pip in [m for m in group if m.startswith("pip") and m not in BASELINES]:
+            for base in [m for m in group if m in BASELINES]:
+                diff = bootstrap.paired_difference(group[pip], group[base], "kl", n_boot=n_boot, seed=seed)
+                verdicts.append({"unit": unit, "ratio": ratio, "seed": seed, "pip": pip, "baseline": base,
+                                 "kl_diff": diff.as_dict(), "relative": diff.point / group[base].metrics()["kl"],
+                                 "verdict": bootstrap.verdict(diff)})
+    for unit, ratio in sorted({(r["unit"], r["ratio"]) for r in runs}):
+        cell = [r for r in runs if (r["unit"], r["ratio"]) == (unit, ratio)]
+        seeds = sorted({r["seed"] for r in cell})
+        if len(seeds) < 2:
+            continue
+        by_method: dict[str, list] = {}
+        for r in sorted(cell, key=lambda r: r["seed"]):
+            by_method.setdefault(r["method"], []).append(DocStats.from_json(r["docs"]))
+        for pip in [m for m in by_method if m.startswith("pip") and m not in BASELINES]:
+            for base in [m for m in by_method if m in BASELINES]:
+                diff = bootstrap.paired_difference(by_method[pip], by_method[base], "kl", n_boot=n_boot)
+                ref = sum(s.metrics()["kl"] for s in by_method[base]) / len(by_method[base])
+                verdicts.append({"unit": unit, "ratio": ratio, "seed": "mean of " + ",".join(map(str, seeds)),
+                                 "pip": pip, "baseline": base, "kl_diff": diff.as_dict(), "relative": diff.point / ref,
+                                 "verdict": bootstrap.verdict(diff)})
+    return summary, verdicts
+
+
+def tables(model: str, summary: list[dict], verdicts: list[dict], docs: int, heldout: str) -> list[str]:
+    def ci(d: dict) -> str:
+        return f"{d['point']:.4f} [{d['low']:.4f}, {d['high']:.4f}]"
+
+    lines = [f"# KL to the dense model ({model}, {docs} held-out {heldout} documents, paired bootstrap 95%)", "",
+             "| unit | ratio | seed | method | KL(dense‖pruned) | top-1 agreement | ppl / dense |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {s['unit']} | {s['ratio']:.1f} | {s['seed']} | {s['method']} | {ci(s['kl'])} | "
+              f"{ci(s['top1_agreement'])} | {ci(s['ppl_ratio'])} |" for s in summary]
+    lines += ["", "## Verdicts: PIP form vs baseline on KL (paired difference PIP - baseline, 95%)", "",
+              "| unit | ratio | seed | PIP form | baseline | KL difference | relative | verdict |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {v['unit']} | {v['ratio']:.1f} | {v['seed']} | {v['pip']} | {v['baseline']} | {ci(v['kl_diff'])} | "
+              f"{v['relative']:+.1%} | {v['verdict']} |" for v in verdicts]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--ratios", default="0.1,0.2,0.3")
+    parser.add_argument("--units", default="width,block")
+    parser.add_argument("--methods", default=None, help="comma list; default: every method of the unit kind")
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--pairs", type=int, default=32)
+    parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--width-mode", default="uniform", choices=["uniform", "per_layer"],
+                        help="width units: same cut in every layer (the product default) or each layer its own")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
+    parser.add_argument("--heldout", default="persuasion,wordnet",
+                        help="comma list of persuasion, wordnet or JSONL/TXT files; the first names the main result, "
+                             "each other one writes NAME_<set>")
+    parser.add_argument("--name", default="divergence")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    from pip_core import io, schedule
+    from pip_core.divergence import doc_stats
+
+    base, tokenizer = io.load(args.model)
+    sets = {h: heldout_texts(args.model, h) for h in args.heldout.split(",")}
+    runs: dict[str, list[dict]] = {h: [] for h in sets}
+    for unit in args.units.split(","):
+        methods = args.methods.split(",") if args.methods else METHODS[unit]
+        for ratio in [float(r) for r in args.ratios.split(",")]:
+            for seed in [int(s) for s in args.seeds.split(",")]:
+                pairs, calib = calibration_pairs(args.model, args.pairs, seed)
+                for method in methods:
+                    if method == "block_influence" and unit != "block":
+                        continue
+                    started = time.perf_counter()
+                    model = copy.deepcopy(base)
+                    options = schedule.ScoringOptions(method, unit, width_mode=args.width_mode)
+                    result = schedule.prune_iteratively(model, tokenizer, options, ratio, args.iterations,
+                                                        pairs=pairs, texts=calib, seed=seed, progress=False)
+                    for held, (texts, _) in sets.items():
+                        stats = doc_stats(base, model, tokenizer, texts, max_length=args.max_length)
+                        run = {"unit": unit, "ratio": ratio, "seed": seed, "method": method, "heldout": held,
+                               "achieved_ratio": result.achieved_ratio, **stats.metrics(), "docs": stats.to_json(),
+                               "seconds": time.perf_counter() - started}
+                        runs[held].append(run)
+                        print({k: v for k, v in run.items() if k != "docs"}, flush=True)
+    for n, (held, (texts, digest)) in enumerate(sets.items()):
+        summary, verdicts = summarise(runs[held])
+        meta = {"heldout": held, "heldout_sha256": digest, "documents": len(texts),
+                "bootstrap": {"n_boot": N_BOOT, "level": 0.95, "over": "held-out documents, paired"}}
+        name = args.name if n == 0 else f"{args.name}_{Path(held).stem}"
+        print(write(name, {"args": vars(args), **meta, "runs": runs[held], "summary": summary, "verdicts": verdicts},
+                    tables(args.model.name, summary, verdicts, len(texts), held)))
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""How far a pruned model's next-token distribution moved from the dense model's, on held-out text.
+
+Mean per-token KL(dense || pruned), top-1 agreement and the perplexity ratio move with every
+change of the model, unlike accuracy on tasks a small model answers at chance. Both models run
+once per document; the vocabulary projection is applied `chunk_tokens` positions at a time, so
+at most [chunk_tokens x vocab] logits of each model exist at once (never [tokens x vocab]).
+Per-document sums are kept so intervals can be bootstrapped over documents (pip_core.bootstrap).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pip_core.errors import PipCoreError
+
+#: per-document sums kept for every document (all per predicted token)
+FIELDS = ("kl", "agree", "nll_dense", "nll_pruned", "tokens")
+
+
+@dataclass(frozen=True)
+class DocStats:
+    """Per-document sums over predicted tokens; the metrics are ratios of their totals."""
+
+    kl: torch.Tensor
+    agree: torch.Tensor
+    nll_dense: torch.Tensor
+    nll_pruned: torch.Tensor
+    tokens: torch.Tensor
+
+    def metrics(self, weights: torch.Tensor | None = None) -> dict[str, float]:
+        """Token-weighted metrics over all documents (or a bootstrap resample given as per-doc counts)."""
+        w = torch.ones_like(self.tokens) if weights is None else weights.to(self.tokens.dtype)
+        n = float((self.tokens * w).sum())
+        nll_d, nll_p = float((self.nll_dense * w).sum()) / n, float((self.nll_pruned * w).sum()) / n
+        return {"kl": float((self.kl * w).sum()) / n, "top1_agreement": float((self.agree * w).sum()) / n,
+                "ppl_ratio": math.exp(nll_p - nll_d), "ppl_dense": math.exp(nll_d), "ppl_pruned": math.exp(nll_p),
+                "tokens": n, "documents": float(len(self.tokens))}
+
+    def to_json(self) -> dict[str, list[float]]:
+        return {f: getattr(self, f).tolist() for f in FIELDS}
+
+    @classmethod
+    def from_json(cls, data: dict[str, list[float]]) -> DocStats:
+        return cls(**{f: torch.tensor(data[f], dtype=torch.float64) for f in FIELDS})
+
+
+def _hidden_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None]:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if base is None or head is None:
+        raise PipCoreError(f"{type(model).__name__} exposes no decoder/output embeddings; cannot chunk its logits")
+    return base, head, getattr(model.config, "final_logit_softcapping", None)
+
+
+def _logits(head: nn.Module, hidden: torch.Tensor, cap: float | None) -> torch.Tensor:
+    logits = head(hidden).float()
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def encode(tokenizer, texts: Sequence[str], max_length: int) -> list[torch.Tensor]:  # noqa: ANN001
+    """Token ids per text (truncated); texts under 2 tokens predict nothing and are refused."""
+    if not texts:
+        raise PipCoreError("divergence needs at least one held-out text")
+    out = []
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise PipCoreError(f"held-out text {i} is {type(text).__name__}, not str")
+        ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length)["input_ids"][0]
+        if ids.numel() < 2:
+            raise PipCoreError(f"held-out text {i} is shorter than 2 tokens: {text[:40]!r}")
+        out.append(ids)
+    return out
+
+
+@torch.no_grad()
+def doc_stats(dense: nn.Module, pruned: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN001
+              max_length: int = 256, chunk_tokens: int = 128) -> DocStats:
+    """Per-document KL(dense || pruned), top-1 agreements and both NLLs, summed over predicted tokens."""
+    if chunk_tokens < 1:
+        raise PipCoreError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if dense.config.vocab_size != pruned.config.vocab_size:
+        raise PipCoreError(f"vocabularies differ: dense {dense.config.vocab_size}, pruned {pruned.config.vocab_size}")
+    seqs = encode(tokenizer, texts, max_length)
+    parts = [(m, *_hidden_and_head(m)) for m in (dense, pruned)]
+    modes = [m.training for m in (dense, pruned)]
+    rows: list[list[float]] = []
+    try:
+        for m in (dense, pruned):
+            m.eval()
+        for ids in seqs:
+            hidden = []
+            for model, base, _, _ in parts:
+                x = ids.unsqueeze(0).to(next(model.parameters()).device)
+                hidden.append(base(input_ids=x).last_hidden_state[0, :-1])
+            target = ids[1:]
+            sums = torch.zeros(4, dtype=torch.float64)
+            for start in range(0, target.numel(), chunk_tokens):
+                sl = slice(start, start + chunk_tokens)
+                logp_d = torch.log_softmax(_logits(parts[0][2], hidden[0][sl], parts[0][3]), -1)
+                logp_p = torch.log_softmax(_logits(parts[1][2], hidden[1][sl].to(hidden[0].device), parts[1][3]), -1)
+                logp_p = logp_p.to(logp_d.device)
+                t = target[sl].to(logp_d.device).unsqueeze(-1)
+                sums += torch.stack([
+                    (logp_d.exp() * (logp_d - logp_p)).sum(-1).sum().double(),
+                    (logp_d.argmax(-1) == logp_p.argmax(-1)).sum().double(),
+                    -logp_d.gather(-1, t).sum().double(),
+                    -logp_p.gather(-1, t).sum().double(),
+                ]).cpu()
+            rows.append([*sums.tolist(), float(target.numel())])
+    finally:
+        for m, mode in zip((dense, pruned), modes, strict=True):
+            m.train(mode)
+    cols = torch.tensor(rows, dtype=torch.float64).T
+    return DocStats(*cols)
+
+
+def divergence(dense: nn.Module, pruned: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN001
+               max_length: int = 256, chunk_tokens: int = 128) -> dict[str, float]:
+    """Mean per-token KL(dense || pruned), top-1 agreement and perplexity ratio (pruned / dense)."""
+    return doc_stats(dense, pruned, tokenizer, texts, max_length, chunk_tokens).metrics()
+
+
+def read_texts(path: Path) -> list[str]:
+    """Held-out documents: JSONL with a "text" field per line, or plain text split on blank lines."""
+    path = Path(path)
+    if not path.is_file():
+        raise PipCoreError(f"held-out text file {path} does not exist")
+    raw = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        texts = []
+        for n, line in enumerate(raw.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PipCoreError(f"{path}:{n} is not JSON: {exc}") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise PipCoreError(f"{path}:{n} has no string field 'text'")
+            texts.append(row["text"])
+    else:
+        texts = [t.strip() for t in raw.split("\n\n") if t.strip()]
+    if not texts:
+        raise PipCoreError(f"held-out text file {path} holds no documents")
+    return texts
