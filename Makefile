@@ -35,7 +35,7 @@ lint: install
 	$(BIN)/ruff check .
 
 test: install data lint
-	$(BIN)/python -m pytest -q -x --timeout=900
+	$(BIN)/python -m pytest -q -x --timeout=900 --durations=25
 
 # Headless Chromium screenshots of a tiny run's MLflow page and plots into docs/ (Debian: apt-get install chromium).
 docs-screenshots: install

@@ -55,12 +55,14 @@ def needs_remote_code(model_dir: Path) -> bool:
     return "auto_map" in json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def build(model_dir: Path, out: Path, run_id: str, model_id: str | None, metadata: dict[str, str]) -> dict[str, str]:
+def build(model_dir: Path, out: Path, run_id: str, model_id: str | None, metadata: dict[str, str],
+          loaded: tuple | None = None) -> dict[str, str]:
     """Write the flavor's files for the HF directory `model_dir` into `out` (weights excluded).
 
     MLflow's writer needs the model in memory and saves its weights too; that copy stays in a
     local temp dir and is deleted, the loader reads the checkpoint's own `model/` instead.
-    Returns relative path -> sha256 of what was written.
+    Returns relative path -> sha256 of what was written. `loaded`: that directory's (model, tokenizer)
+    when the caller already holds them.
     """
     import mlflow
     from mlflow.models import Model, infer_signature
@@ -69,7 +71,7 @@ def build(model_dir: Path, out: Path, run_id: str, model_id: str | None, metadat
 
     config = core_io.read_config(model_dir)
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-    net, tokenizer = core_io.load(model_dir, dtype=dtype)
+    net, tokenizer = loaded or core_io.load(model_dir, dtype=dtype)
     remote = needs_remote_code(model_dir)
     metadata = {**metadata, "pipprune.requires_remote_code": str(remote).lower(),
                 "pipprune.weights": f"{MODEL_SUBDIR}/ beside this MLmodel (the pipprune checkpoint)"}

@@ -62,8 +62,10 @@ def s3_client(settings: Settings):  # noqa: ANN201
         stored = load_credentials(settings.stack_dir)
         if stored is not None:
             keys = {"aws_access_key_id": stored.access_key_id, "aws_secret_access_key": stored.secret_access_key}
-    return boto3.client("s3", endpoint_url=settings.s3_endpoint_url, region_name=settings.s3_region, config=config,
-                        **keys)
+    # a session of its own: boto3's default session resolves the AWS chain once per process and keeps the
+    # first keys it saw, so a long-lived process (a worker, a test run) would sign with stale credentials
+    return boto3.session.Session().client("s3", endpoint_url=settings.s3_endpoint_url, region_name=settings.s3_region,
+                                          config=config, **keys)
 
 
 def embedded_s3_url(settings: Settings) -> str:

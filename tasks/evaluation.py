@@ -95,7 +95,7 @@ def evaluate(model: ModelRef, tasks: tuple[str, ...], include_path: str | None, 
 
     if not tasks:
         return {}
-    net, tokenizer = load_model(model, runtime)
+    net, tokenizer = load_model(model, runtime, keep_slot=True)
     results = run_lmeval(ensure_local(model), list(tasks), include_path=Path(include_path) if include_path else None,
                          limit=limit, loaded=(net, tokenizer), device=str(next(net.parameters()).device))
     log.info("evaluate: %s", results)

@@ -102,12 +102,14 @@ def placement_for(ref: ModelRef, runtime: RuntimeSettings, seq_len: int = 128, l
 
 
 def load_model(ref: ModelRef, runtime: RuntimeSettings | None = None, *, for_update: bool = False,
-               seq_len: int = 128) -> tuple[Any, Any]:
+               seq_len: int = 128, keep_slot: bool = False) -> tuple[Any, Any]:
     """(model, tokenizer) for `ref`: the object already in memory when its fingerprint matches, else from disk.
 
     Loaded in `runtime`'s dtype on its device (whole, or spread by device_map='auto' when it does
     not fit one GPU). `for_update=True` is for tasks that modify the model in place: the in-memory
-    copy is taken out of the hand-off until the task puts back what it produced.
+    copy is taken out of the hand-off until the task puts back what it produced. `keep_slot=True`
+    reads a model from disk without evicting the one in hand (the dense model's final evaluation
+    must not push out the pruned model that registration uses next).
     """
     held = HANDOFF.get(ref.fingerprint, take=for_update)
     if held is not None:
@@ -117,7 +119,7 @@ def load_model(ref: ModelRef, runtime: RuntimeSettings | None = None, *, for_upd
     net, tokenizer = core_io.load(ensure_local(ref), dtype=placement.dtype, device=placement.device,
                                   device_map=placement.device_map)
     log.info("loaded %s: %s", ref.fingerprint[:12], placement.describe())
-    if not for_update:
+    if not (for_update or keep_slot):
         HANDOFF.put(ref.fingerprint, net, tokenizer)
     return net, tokenizer
 

@@ -94,7 +94,7 @@ def publish_mlflow_model(model: ModelRef, root: str, run_id: str, model_id: str,
     """Write the flavor's files beside the checkpoint's `model/` in S3; returns the files manifest's sha256."""
     from infra import mlflow_model
     from infra.s3store import CheckpointStore, split_uri
-    from tasks.models import ensure_local
+    from tasks.models import ensure_local, load_model
 
     settings = Settings()
     store = CheckpointStore.for_uri(settings, root)
@@ -104,7 +104,8 @@ def publish_mlflow_model(model: ModelRef, root: str, run_id: str, model_id: str,
     settings.work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mlflow-model-", dir=settings.work_dir) as tmp:
         out = Path(tmp) / "files"
-        files = mlflow_model.build(ensure_local(model, settings), out, run_id, model_id, metadata)
+        files = mlflow_model.build(ensure_local(model, settings), out, run_id, model_id, metadata,
+                                   loaded=load_model(model, keep_slot=True))
         if any(rel.startswith(f"{mlflow_model.MODEL_SUBDIR}/") for rel in files):
             raise RuntimeError("refusing to upload a second copy of the model folder")
         for rel in [*sorted(files), mlflow_model.FILES_MANIFEST]:  # the list of files goes last

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, free_port, free_port_range
+from tests.helpers import ROOT, free_port, seaweed_port_base
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -46,7 +46,7 @@ def stack_settings(home: Path):  # noqa: ANN201 - infra.settings.Settings, impor
     """Settings of an embedded stack in `home` on free loopback ports (S3 and the block SeaweedFS adds)."""
     from infra.settings import Settings
 
-    return Settings(home=home, s3_port=free_port(), s3_aux_port_base=free_port_range(10, also=(7 + 10000,)),
+    return Settings(home=home, s3_port=free_port(), s3_aux_port_base=seaweed_port_base(),
                     mlflow_port=free_port(), prefect_port=free_port(), s3_endpoint_url=None, mlflow_tracking_uri=None,
                     prefect_api_url=None)
 

@@ -31,6 +31,13 @@ def free_port_range(count: int, also: tuple[int, ...] = ()) -> int:
     raise RuntimeError(f"no {count} consecutive free ports found")
 
 
+def seaweed_port_base() -> int:
+    """A free PIPPRUNE_S3_AUX_PORT_BASE: the block SeaweedFS pins plus its admin gRPC port (admin + 10000)."""
+    from infra.stack import ADMIN_GRPC_OFFSET, WEED_AUX_PORTS
+
+    return free_port_range(len(WEED_AUX_PORTS), also=(WEED_AUX_PORTS.index("admin.port") + ADMIN_GRPC_OFFSET,))
+
+
 def _free(port: int) -> bool:
     with socket.socket() as s:
         try:

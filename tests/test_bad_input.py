@@ -128,3 +128,20 @@ def test_wrong_credentials_fail_fast_and_register_nothing(workdir, tmp_path):
     assert "InvalidAccessKeyId" in result.output  # the server's reason, read with a GET (HEAD has no body)
     assert "AKIAWRONG" not in result.output
     assert not (tmp_path / "home" / "work").exists()
+
+
+def test_s3_client_signs_with_the_keys_in_the_environment_now(monkeypatch, tmp_path):
+    """A process that saw other keys before (the refused-credentials case above, a worker) must not reuse them."""
+    from infra.s3store import s3_client
+    from infra.settings import Settings
+
+    def access_key() -> str:
+        settings = Settings(home=tmp_path, s3_endpoint_url="http://127.0.0.1:9")
+        return s3_client(settings)._request_signer._credentials.get_frozen_credentials().access_key
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAFIRSTFIRSTFIRST0")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "first")
+    assert access_key() == "AKIAFIRSTFIRSTFIRST0"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIASECONDSECONDSEC0")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "second")
+    assert access_key() == "AKIASECONDSECONDSEC0"

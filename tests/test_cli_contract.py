@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, cli, free_port, free_port_range
+from tests.helpers import ROOT, cli, free_port, seaweed_port_base
 
 PRECIOUS = b"\x00user data \xff\xfe that pipprune must never touch\n"
 
@@ -219,7 +219,7 @@ def test_json_with_running_stack_then_out_and_overwrite(stack_env, tiny_referenc
 def _fresh_stack_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPPRUNE_", "MLFLOW_", "PREFECT_", "AWS_"))}
     env.update(PIPPRUNE_HOME=str(home), PIPPRUNE_S3_PORT=str(free_port()), PIPPRUNE_MLFLOW_PORT=str(free_port()),
-               PIPPRUNE_PREFECT_PORT=str(free_port()), PIPPRUNE_S3_AUX_PORT_BASE=str(free_port_range(12)))
+               PIPPRUNE_PREFECT_PORT=str(free_port()), PIPPRUNE_S3_AUX_PORT_BASE=str(seaweed_port_base()))
     return env
 
 
