@@ -47,3 +47,21 @@ def test_local_tasks_run_through_lm_eval_offline(tiny_reference_dir):
     assert 1.0 < results["pipprune_persuasion"]["byte_perplexity"] < 8.0
     with pytest.raises(ValueError, match="unknown lm-eval task"):
         run_lmeval(tiny_reference_dir, ["hellaswag_local"], include_path=tiny_reference_dir / "tasks")
+
+
+@pytest.mark.parametrize("occupied", ["out", "partial"])
+def test_build_never_replaces_a_folder_it_did_not_write(tmp_path, occupied):
+    from typer.testing import CliRunner
+
+    from pipprune.cli import app
+
+    out = tmp_path / "models"
+    target = out if occupied == "out" else tmp_path / "models.partial"
+    target.mkdir()
+    (target / "mine.bin").write_bytes(b"user data")
+    result = CliRunner().invoke(app, ["reference", "build", "--size", "tiny", "--out", str(out),
+                                      "--cache-dir", str(tmp_path / "cache")])
+    assert result.exit_code == 2, result.output
+    assert "refusing" in result.output or "move it away" in result.output
+    assert (target / "mine.bin").read_bytes() == b"user data"
+    assert not (tmp_path / "cache").exists()  # refused before the corpus or the tokenizer were touched

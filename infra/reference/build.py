@@ -31,6 +31,30 @@ from pip_core.wordlist import WordList
 
 log = logging.getLogger(__name__)
 
+#: written first into the temporary sibling: only a folder carrying it is ever removed as a leftover
+PARTIAL_MARKER = ".pipprune-reference-partial"
+
+
+class OutputInUse(ValueError):
+    """The output path holds something this builder did not write: it is never removed or replaced."""
+
+
+def _is_reference(path: Path) -> bool:
+    try:
+        return json.loads((path / "manifest.json").read_text()).get("name", "").startswith("pipprune-reference-")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_output(out_dir: Path) -> None:
+    """Refuse, before any work, an output (or its `.partial` sibling) that holds someone else's files."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not _is_reference(out_dir):
+        raise OutputInUse(f"{out_dir} exists and is not a pipprune reference build: refusing to replace it; "
+                          "pick a new or empty directory")
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    if partial.exists() and not (partial / PARTIAL_MARKER).is_file():
+        raise OutputInUse(f"{partial} exists and was not left by a pipprune reference build: move it away first")
+
 
 def _token_stream(texts: dict[str, str], tokenizer, cache: Path) -> torch.Tensor:  # noqa: ANN001
     """All training paragraphs tokenised and joined with </s>, cached as .npy (no pickle)."""
@@ -56,6 +80,8 @@ def build_reference(size: Literal["tiny", "small"], out_dir: Path, cache_dir: Pa
     if size not in SIZES:
         raise ValueError(f"unknown reference size {size!r}; use one of {sorted(SIZES)}")
     spec = SIZES[size]
+    out_dir = out_dir.resolve()
+    check_output(out_dir)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cache_dir = cache_dir.resolve()
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -66,10 +92,11 @@ def build_reference(size: Literal["tiny", "small"], out_dir: Path, cache_dir: Pa
     stream = _token_stream(texts, tokenizer, cache_dir / f"tokens-{corpus.digest[:12]}-{spec.vocab_size}.npy")
     log.info("training %s on %d tokens", size, stream.numel())
 
-    out_dir = out_dir.resolve()
     tmp = out_dir.with_name(out_dir.name + ".partial")
+    check_output(out_dir)  # again: the corpus and tokenizer steps took a while
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    (tmp / PARTIAL_MARKER).write_text("a pipprune reference build in progress; removed when it finishes\n")
     model, stats = train(spec, tokenizer, stream, tmp / "train_log.jsonl", seed=seed, progress=progress)
     heldout_text = corpus.heldout.read_text()
     heldout = perplexity(model, tokenizer, persuasion_chunks(heldout_text, words=120, n=40), max_length=spec.seq_len)
@@ -108,6 +135,7 @@ def build_reference(size: Literal["tiny", "small"], out_dir: Path, cache_dir: Pa
     # the YAMLs point at data inside `tmp`: rewrite them for the final location
     for path in task_paths.values():
         path.write_text(path.read_text().replace(str(tmp), str(out_dir)))
+    (tmp / PARTIAL_MARKER).unlink()
     manifest["files"] = sha256_dir(tmp)
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     shutil.rmtree(out_dir, ignore_errors=True)

@@ -34,12 +34,12 @@ def build(
             typer.echo(f"reference {size} already built in {out} (use --force to rebuild)")
             return
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from infra.reference.build import build_reference
+    from infra.reference.build import OutputInUse, build_reference
     from infra.reference.sources import MissingDataPackage
 
     try:
         manifest = build_reference(size, out, cache_dir or Settings().home / "cache", seed=seed)
-    except MissingDataPackage as exc:
+    except (MissingDataPackage, OutputInUse) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
     typer.echo(f"built {manifest['name']} in {out}: {manifest['num_parameters']:,} parameters, "
