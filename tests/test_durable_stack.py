@@ -154,7 +154,7 @@ def test_wrong_key_through_the_mlflow_artifact_proxy_is_refused(local_stack, tin
         proxied = {**os.environ, **stack.client_env(), "PIPPRUNE_HOME": str(tmp_path / "h"),
                    "PIPPRUNE_MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_URI": url}
         done = cli(proxied, *compress_args(tiny_reference_dir, "never-proxied", 1))
-        assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+        assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]  # a misconfigured server: bad input
         assert f"the MLflow server at {url} cannot store artifacts: S3 refused its credentials" in done.stderr
         assert stack.credentials().secret_access_key not in done.stdout + done.stderr
         assert not (tmp_path / "h" / "work").exists()
