@@ -65,3 +65,24 @@ def test_build_never_replaces_a_folder_it_did_not_write(tmp_path, occupied):
     assert "refusing" in result.output or "move it away" in result.output
     assert (target / "mine.bin").read_bytes() == b"user data"
     assert not (tmp_path / "cache").exists()  # refused before the corpus or the tokenizer were touched
+
+
+def test_training_in_a_log_reports_plain_lines(tiny_reference_dir, tmp_path, caplog, capsys):
+    """Outside a terminal the build logs one line per 5% of its fixed step count, never carriage returns."""
+    import logging
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from infra.reference.train import ReferenceSize, train
+
+    size = ReferenceSize(vocab_size=2048, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=32, seq_len=16, batch_size=2, steps=40, lr=1e-3)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_reference_dir)
+    stream = torch.randint(0, len(tokenizer), (4096,), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.INFO, logger="infra.reference.train"):
+        _, stats = train(size, tokenizer, stream, tmp_path / "log.jsonl", progress=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training step")]
+    assert stats["steps"] == 40 and len(lines) == 20 and lines[-1].startswith("training step 40/40")
+    out = capsys.readouterr()
+    assert "\r" not in out.out + out.err

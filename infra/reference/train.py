@@ -87,6 +87,10 @@ def train(size: ReferenceSize, tokenizer, stream: torch.Tensor, out_log: Path, s
             ema = value if ema is None else 0.98 * ema + 0.02 * value
             bar.update(1)
             bar.set_postfix(loss=f"{ema:.3f}")
+            if not progress and ((step + 1) % max(1, size.steps // 20) == 0):  # a log, not a terminal: 20 lines
+                elapsed = time.monotonic() - started
+                log.info("training step %d/%d: loss %.3f, elapsed %.0fs, about %.0fs left", step + 1, size.steps, ema,
+                         elapsed, elapsed / (step + 1) * (size.steps - step - 1))
             if step % 25 == 0 or step == size.steps - 1:
                 log_fh.write(json.dumps({"step": step, "loss": value, "lr": lr_at(step),
                                          "elapsed_s": round(time.monotonic() - started, 2)}) + "\n")

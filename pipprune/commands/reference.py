@@ -33,12 +33,19 @@ def build(
         if manifest.get("name") == f"pipprune-reference-{size}" and manifest.get("seed") == seed:
             typer.echo(f"reference {size} already built in {out} (use --force to rebuild)")
             return
+    import sys
+
+    from infra import progress
+
+    mode = progress.choose_mode(False, sys.stderr.isatty())  # a bar on a terminal, one line per 5% in a log
+    progress.configure(mode)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from infra.reference.build import OutputInUse, build_reference
     from infra.reference.sources import MissingDataPackage
 
     try:
-        manifest = build_reference(size, out, cache_dir or Settings().home / "cache", seed=seed)
+        manifest = build_reference(size, out, cache_dir or Settings().home / "cache", seed=seed,
+                                   progress=mode == "bar")
     except (MissingDataPackage, OutputInUse) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
