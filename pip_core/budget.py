@@ -79,8 +79,11 @@ class Target:
         return f"params={int(self.value)}"
 
 
-def format_bytes(n: float) -> str:
-    return f"{n / 2**30:.4g}GiB" if n >= 2**30 else f"{n / 2**20:.4g}MiB"
+def format_bytes(n: float, up: bool = False) -> str:
+    """MiB or GiB to three decimals (`up`: rounded up, so a suggested budget still fits)."""
+    unit, name = (2**30, "GiB") if n >= 2**30 else (2**20, "MiB")
+    value = math.ceil(n / unit * 1000) / 1000 if up else round(n / unit, 3)
+    return f"{value:g}{name}"
 
 
 @dataclass(frozen=True)
@@ -328,8 +331,9 @@ def plan_budget(config: dict, target: Target | str, *, unit: str = "width", widt
             raise BudgetError(f"target {target}: the dense model already takes {format_bytes(planner.memory(dense))}; "
                               "nothing to prune", nearest=f"memory={format_bytes(planner.memory(dense))}")
         if planner.memory(floor) > target.value:
+            smallest = planner.memory(floor)
             raise BudgetError(f"target {target} is infeasible for {what}: the smallest model the run can reach takes "
-                              f"{format_bytes(planner.memory(floor))}", nearest=f"memory={format_bytes(planner.memory(floor))}")
+                              f"{format_bytes(smallest)}", nearest=f"memory={format_bytes(smallest, up=True)}")
         to_remove = _smallest_fitting(planner, limit, target.value)
     steps = planner.simulate(to_remove)
     final = steps[-1][2]
