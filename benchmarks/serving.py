@@ -41,6 +41,24 @@ def kl_to_dense(dense, pruned, tokenizer, texts: list[str]) -> float:  # noqa: A
     return total / count
 
 
+def _write(model_dir: Path, config: dict, args: argparse.Namespace, rows: list[dict]) -> Path:
+    table = [f"# Serving speed of budgeted pruning ({model_dir.name}: {config['model_type']}, "
+             f"intermediate {config['intermediate_size']}, CPU {torch.get_num_threads()} threads, transformers generate, "
+             f"{args.new_tokens} new tokens, median of {args.repeats})", "",
+             "Written by `python -m benchmarks.serving` from benchmarks/results/serving.json. Decode speedup = pruned / "
+             "dense decode tokens/s on the same prompts, dense measured beside each row; ideal = 1 / (1 - matmul FLOP "
+             "cut). On a shared 2-core CPU timings are noisy (see the dense figures in the JSON).", "",
+             "| unit | align | target | achieved ratio | MLP width | KV heads | layers | decode x (b1) | decode x (b8) "
+             "| ideal x | fraction of ideal (b1) | KL to dense |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['unit']} | {r['align'] or '-'} | {r['target_ratio']:.2f} | {r['achieved_ratio']:.4f} | "
+                     f"{r['mlp']} | {r['kv_heads']} | {r['layers']} | {r['decode_speedup_b1']:.3f} | "
+                     f"{r['decode_speedup_b8']:.3f} | {r['ideal_speedup']:.3f} | {r['fraction_of_ideal_b1']:.2f} | "
+                     f"{r['kl_to_dense']:.4f} |")
+    return write("serving", {"model": str(model_dir), "rows": rows}, table)
+
+
 def main() -> None:
     from pip_core import io, schedule, serving
     from pip_core.budget import plan_budget
@@ -78,21 +96,8 @@ def main() -> None:
                          "kl_to_dense": kl_to_dense(dense, pruned, tokenizer, heldout),
                          "dense": base.as_dict(), "pruned": got.as_dict()})
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("dense", "pruned")}), flush=True)
-    table = [f"# Serving speed of budgeted pruning ({model_dir.name}: {config['model_type']}, "
-             f"intermediate {config['intermediate_size']}, CPU {torch.get_num_threads()} threads, transformers generate, "
-             f"{args.new_tokens} new tokens, median of {args.repeats})", "",
-             "Written by `python -m benchmarks.serving` from benchmarks/results/serving.json. Decode speedup = pruned / "
-             "dense decode tokens/s on the same prompts, dense measured beside each row; ideal = 1 / (1 - matmul FLOP "
-             "cut). On a shared 2-core CPU timings are noisy (see the dense figures in the JSON).", "",
-             "| unit | align | target | achieved ratio | MLP width | KV heads | layers | decode x (b1) | decode x (b8) "
-             "| ideal x | fraction of ideal (b1) | KL to dense |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        table.append(f"| {r['unit']} | {r['align'] or '-'} | {r['target_ratio']:.2f} | {r['achieved_ratio']:.4f} | "
-                     f"{r['mlp']} | {r['kv_heads']} | {r['layers']} | {r['decode_speedup_b1']:.3f} | "
-                     f"{r['decode_speedup_b8']:.3f} | {r['ideal_speedup']:.3f} | {r['fraction_of_ideal_b1']:.2f} | "
-                     f"{r['kl_to_dense']:.4f} |")
-    print(write("serving", {"model": str(model_dir), "rows": rows}, table))
+            _write(model_dir, config, args, rows)  # after every row: a cut-short run still leaves its rows
+    print(_write(model_dir, config, args, rows))
 
 
 if __name__ == "__main__":

@@ -116,3 +116,29 @@ def test_aligned_model_saves_multiples_of_n_and_reloads_with_the_stock_class(tin
     x = torch.tensor([[5, 17, 42, 99, 3, 250, 77, 12]])
     with torch.no_grad():
         assert torch.equal(model(x).logits, reloaded(x).logits)
+
+
+def test_decode_speedup_gate_reads_the_logged_metric():
+    from infra.promotion import PromotionGates, evaluate_gates
+
+    metrics = {"serving.decode_speedup": 1.3, "serving.fraction_of_ideal": 0.4}
+    (ok,) = evaluate_gates(PromotionGates(decode_speedup=">= 1.2"), metrics)
+    (bad,) = evaluate_gates(PromotionGates(decode_speedup=">= 1.5"), metrics)
+    (missing,) = evaluate_gates(PromotionGates(decode_speedup=">= 1.2"), {})
+    (other,) = evaluate_gates(PromotionGates(metric_bounds={"serving.fraction_of_ideal": ">= 0.5"}), metrics)
+    assert ok.passed and not bad.passed and not missing.passed and not other.passed
+    with pytest.raises(ValueError, match="OP NUMBER"):
+        PromotionGates(decode_speedup="fast")
+
+
+def test_config_target_and_ratio_spellings():
+    from infra.config import CompressConfig
+
+    base = {"model": "m", "calibration": "c"}
+    assert CompressConfig(**base, target="ratio=0.3").ratio == 0.3
+    assert CompressConfig(**base, target="ratio=0.3").digest() == CompressConfig(**base, ratio=0.3).digest()
+    assert CompressConfig(**base, target="memory=24GiB", serve_context=4096).budget_target() == "memory=24GiB"
+    with pytest.raises(ValueError, match="not both"):
+        CompressConfig(**base, ratio=0.2, target="params=3e9")
+    with pytest.raises(ValueError, match="target"):
+        CompressConfig(**base, target="params=many")
