@@ -7,7 +7,7 @@ REF_TINY := $(STATE)/reference/tiny
 DEMO_UNIT ?= block
 DEMO_METHOD ?= pip
 
-.PHONY: install data lint demo test stack-down clean-state bench peer-venv bench-peer docs-screenshots
+.PHONY: install data lint demo test stack-down clean-state bench bench-serving peer-venv bench-peer docs-screenshots
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,11 @@ test: install data lint
 # Headless Chromium screenshots of a tiny run's MLflow page and plots into docs/ (Debian: apt-get install chromium).
 docs-screenshots: install
 	PIPPRUNE_DOCS_DIR=$(CURDIR)/docs $(BIN)/python -m pytest -q tests/test_registry_mlflow.py -k docs_screenshots
+
+# Serving speed of budgeted, aligned pruning on the tiny reference (a few minutes on CPU).
+bench-serving: install
+	$(BIN)/pipprune reference build --size tiny --out $(REF_TINY)
+	$(BIN)/python -m benchmarks.serving --model $(REF_TINY)
 
 stack-down:
 	$(BIN)/pipprune stack down

@@ -1,7 +1,8 @@
 """The compress flow: wiring only. Each box of the DAG is a task in `tasks`.
 
-calibrate -> for each step [score units -> select units -> prune -> checkpoint (S3) -> quick eval
--> log] -> optional LoRA recovery (checkpointed as step N+1) -> evaluate (lm-eval) -> register.
+plan budget -> calibrate -> for each step [score units -> select units -> prune -> checkpoint (S3) -> quick
+eval -> log] -> optional LoRA recovery (checkpointed as step N+1) -> evaluate (lm-eval) -> measure serving
+-> register.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from infra.locks import run_lock
 from infra.progress import StepProgress
 from infra.settings import Settings
 from pip_core.schedule import plan, step_spec
+from tasks.budget import aligned, log_budget, plan_budget
 from tasks.calibration import prepare_calibration
 from tasks.evaluation import evaluate, quick_eval, tasks_digest
 from tasks.models import resolve_source
@@ -29,6 +31,7 @@ from tasks.refs import CalibrationRef, ModelRef
 from tasks.registry import register_model
 from tasks.resume import find_resume_point
 from tasks.scoring import score_units, select_units
+from tasks.serving import log_serving, measure_serving
 from tasks.signing import sign_checkpoint
 from tasks.tracking import log_datasets, log_final, log_iteration, log_recovery, tracking_run
 
@@ -43,6 +46,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     """Prune `config.model` by `config.ratio` in re-scored steps; track, checkpoint, evaluate, register."""
     # 1. inputs: the source model and the calibration pairs, both content-addressed
     source = resolve_source(config.model)
+    budget = plan_budget(config, source)  # the target as a removal ratio and aligned widths, from config.json alone
+    scoring = aligned(config.scoring, budget)
     source_digest = CalibrationSource(config.calibration.source, config.calibration.wordlist).digest()
     calib = prepare_calibration(config.calibration, config.seed, source_digest)
     run_key = records.run_key_for(config, source.model.fingerprint, calib.data_hash, calib.wordlist_hash)
@@ -55,10 +60,10 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
         done = find_resume_point(run_key)
         model, history = records.resumed_history(source.model, before, done[:config.scoring.iterations])
         progress = StepProgress(config.scoring.iterations)
-        for i, cumulative in list(enumerate(plan(config.ratio, config.scoring.iterations), start=1))[len(done):]:
+        for i, cumulative in list(enumerate(plan(budget.ratio, config.scoring.iterations), start=1))[len(done):]:
             spec = step_spec(i, cumulative, total, model.num_params, config.seed)
-            stats = score_units(model, calib, config.scoring, spec, max_length, rt)
-            selection = select_units(stats, config.scoring, spec)
+            stats = score_units(model, calib, scoring, spec, max_length, rt)
+            selection = select_units(stats, scoring, spec)
             pruned = prune_step(model, selection, rt)
             metrics = records.step_metrics(quick_eval(pruned, calib, max_length, rt, reference=source.model), pruned,
                                            total, selection, stats)
@@ -75,9 +80,11 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
         final_eval = evaluate(model, ev.tasks, ev.include_path, content, ev.limit, rt)  # while it is in memory
         source_eval = evaluate(source.model, ev.tasks, ev.include_path, content, ev.limit, rt)
         after = records.heldout(history[-1])
+        serving = log_serving(run_id, measure_serving(source.model, model, calib, config.serving, rt))
         signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3
         version = register_model(config.registered_model_name, model, run_id,
-                                 records.version_tags(config, lineage, model, run_id, signature))
+                                 {**records.version_tags(config, lineage, model, run_id, signature),
+                                  **log_budget(run_id, budget, model, total), **serving})
         summary = records.summary(config, run_key, run_id, version, model, total, before, after, source_eval,
                                   final_eval, len(done), pre_recovery, out_dir)
         log_final(run_id, records.final_metrics(total, model, before, after, source_eval, final_eval),

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -46,6 +47,8 @@ class ScoringSettings(_Group):
     width_mode: WidthMode = Field("uniform", description="uniform | per-layer: uniform cuts every layer alike, so "
                                   "the output is the family's stock config (vLLM, llama.cpp load it) and "
                                   "protect_first/last do not apply; per-layer keeps a custom config + modeling file")
+    align: int = Field(64, ge=1, le=4096, description="uniform widths: every layer keeps a multiple of this many "
+                       "MLP channels (GPU tile sizes; 1: any width; halved for models too narrow for it)")
     protect_first: int = Field(1, ge=0, description="leading decoder layers never pruned")
     protect_last: int = Field(1, ge=0, description="trailing decoder layers never pruned")
 
@@ -96,6 +99,29 @@ class RecoverySettings(_Group):
         return self.steps > 0
 
 
+class ServingSettings(_Group):
+    """The deployment: the KV cache a memory target counts, and the serving measurement of the flow."""
+
+    context: int = Field(0, ge=0, le=10_000_000, description="serving context (tokens) whose KV cache a memory "
+                         "target includes (0: weights only)")
+    batch: int = Field(1, ge=1, le=100_000, description="serving batch whose KV cache a memory target includes")
+    measure: bool = Field(True, description="measure dense and pruned serving speed in the flow")
+    backend: Literal["auto", "transformers", "vllm"] = Field(
+        "auto", description="auto (vLLM when installed and a GPU is present, else transformers) | transformers | vllm")
+    prompts: int = Field(8, ge=1, le=4096, description="prompts measured (drawn from the held-out texts)")
+    prompt_tokens: int = Field(32, ge=1, le=32_768, description="tokens per prompt")
+    new_tokens: int = Field(16, ge=2, le=32_768, description="tokens generated per prompt")
+    batch_sizes: tuple[int, ...] = Field((1, 8), description="batch sizes measured (latency p50/p95 at each)")
+    repeats: int = Field(3, ge=1, le=1000, description="timed repeats per batch size (after one warm-up)")
+
+    @field_validator("batch_sizes", mode="before")
+    @classmethod
+    def _split_sizes(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(int(v) for v in value.split(",") if v.strip())
+        return value
+
+
 class RuntimeSettings(_Group):
     """Where the model runs and in which dtype; every task that loads a model takes this group whole."""
 
@@ -123,7 +149,8 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "heldout_samples": ("calibration", "heldout_samples"), "max_length": ("calibration", "max_length"),
     "perturb_rate": ("calibration", "perturb_rate"),
     "unit": ("scoring", "unit"), "method": ("scoring", "method"), "iterations": ("scoring", "iterations"),
-    "width_mode": ("scoring", "width_mode"),
+    "width_mode": ("scoring", "width_mode"), "align": ("scoring", "align"),
+    "serve_context": ("serving", "context"), "serve_batch": ("serving", "batch"),
     "protect_first": ("scoring", "protect_first"), "protect_last": ("scoring", "protect_last"),
     "eval_tasks": ("evaluation", "tasks"), "eval_include_path": ("evaluation", "include_path"),
     "eval_limit": ("evaluation", "limit"),
@@ -137,12 +164,17 @@ class CompressConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(description="Hugging Face hub id or local directory of a causal LM")
-    ratio: float = Field(0.2, description=f"fraction of the source model's parameters to remove, in (0, {MAX_RATIO}]")
+    ratio: float = Field(0.2, description=f"fraction of the source model's parameters to remove, in (0, {MAX_RATIO}] "
+                         "(short for --target ratio=R)")
+    target: str | None = Field(None, description="budget: params=N (at most N parameters, e.g. 3e9), memory=SIZE "
+                               "(weights in the output dtype + the KV cache at --serve-context/--serve-batch, e.g. "
+                               "24GiB) or ratio=R; planned from config.json before any weights are read")
     seed: int = Field(0, description="seed of sampling, perturbation and random scores")
     calibration: CalibrationSettings
     scoring: ScoringSettings = ScoringSettings()
     evaluation: EvaluationSettings = EvaluationSettings()
     recovery: RecoverySettings = RecoverySettings()
+    serving: ServingSettings = ServingSettings()
     runtime: RuntimeSettings = RuntimeSettings()
     registered_model_name: str = Field("pipprune-model", description="registered model name in MLflow")
     trust_remote_code: bool = False
@@ -163,6 +195,18 @@ class CompressConfig(BaseModel):
                 group_data = dict(current) if isinstance(current, dict) else \
                     (current.model_dump() if isinstance(current, BaseModel) else {})
                 data[group] = {**group_data, field: value}
+        target = data.get("target")
+        if isinstance(target, str) and target.strip().lower().startswith("ratio="):  # one spelling: ratio=R is --ratio R
+            from pip_core.budget import Target
+            from pip_core.errors import PipCoreError
+
+            try:
+                value = Target.parse(target).value
+            except PipCoreError as exc:
+                raise ValueError(str(exc)) from None
+            if data.get("ratio") is not None:
+                raise ValueError(f"give --ratio or --target, not both (ratio {data['ratio']}, target {target})")
+            data["ratio"], data["target"] = value, None
         return data
 
     @field_validator("ratio")
@@ -171,6 +215,29 @@ class CompressConfig(BaseModel):
         if math.isnan(value) or not 0.0 < value <= MAX_RATIO:
             raise ValueError(f"ratio must be in (0, {MAX_RATIO}], got {value}")
         return value
+
+    @field_validator("target")
+    @classmethod
+    def _check_target(cls, value: str | None) -> str | None:
+        from pip_core.budget import Target
+        from pip_core.errors import PipCoreError
+
+        if value is None:
+            return None
+        try:
+            return str(Target.parse(value))
+        except PipCoreError as exc:
+            raise ValueError(str(exc)) from None
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> CompressConfig:
+        if self.target is not None and "ratio" in self.model_fields_set:
+            raise ValueError(f"give --ratio or --target, not both (ratio {self.ratio}, target {self.target})")
+        return self
+
+    def budget_target(self) -> str:
+        """The budget as `pip_core.budget.Target` spells it (`--ratio R` is `ratio=R`)."""
+        return self.target or f"ratio={self.ratio:g}"
 
     @field_validator("registered_model_name")
     @classmethod
@@ -188,6 +255,7 @@ class CompressConfig(BaseModel):
         """The settings that decide the pruned weights: where inputs live and how they are evaluated do not."""
         payload = self.model_dump(mode="json", exclude={"model", "evaluation", "registered_model_name"})
         payload["calibration"] = {k: v for k, v in payload["calibration"].items() if k not in ("source", "wordlist")}
+        payload["serving"] = {k: payload["serving"][k] for k in ("context", "batch")}  # what a memory budget counts
         return payload
 
 

@@ -91,3 +91,22 @@ def save(fig: Figure, out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def serving_speed(dense: dict[str, Any], pruned: dict[str, Any], ideal: float) -> Figure:
+    """Decode tokens/s of the dense and the pruned model at each batch size, with the ideal speedup's bar."""
+    batches = [b["batch"] for b in dense["batches"]]
+    xs = range(len(batches))
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    d = [b["decode_tokens_per_s"] for b in dense["batches"]]
+    p = [b["decode_tokens_per_s"] for b in pruned["batches"]]
+    ax.bar([x - 0.2 for x in xs], d, width=0.4, color="0.6", label="dense")
+    ax.bar([x + 0.2 for x in xs], p, width=0.4, color="tab:blue", label="pruned")
+    ax.scatter([x + 0.2 for x in xs], [v * ideal for v in d], marker="_", s=400, color="tab:red",
+               label=f"ideal (x{ideal:.2f}: 1 / (1 - FLOP cut))", zorder=3)
+    ax.set_xticks(list(xs), [f"batch {b}" for b in batches])
+    ax.set_ylabel(f"decode tokens/s ({dense['backend']}, {dense['device']})")
+    ax.yaxis.set_major_locator(MaxNLocator(8))
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    return fig

@@ -30,6 +30,7 @@ def check_inputs(config: CompressConfig) -> None:
     resolve_device(config.runtime.device)  # a missing GPU is refused before anything else is read
     local = local_model_dir(config.model)
     model_config = core_io.check_loadable(local)
+    check_budget(config, model_config)  # from config.json alone: an infeasible target reads no weights
     check_weights_intact(local)
     core_io.check_weights(local, model_config)
     core_io.check_tokenizer(local)
@@ -42,6 +43,17 @@ def check_inputs(config: CompressConfig) -> None:
     if not placement.fits:
         raise PreflightError(f"{config.model} {placement.describe()} ({placement.plan.weights / 2**30:.1f} GiB "
                              "weights); see `pipprune plan`")
+
+
+def check_budget(config: CompressConfig, model_config: dict) -> None:
+    """Refuse a target the run cannot meet, naming the nearest feasible one (pip_core.budget)."""
+    from infra.budgeting import plan_for, refusal
+    from pip_core.budget import BudgetError
+
+    try:
+        plan_for(config, model_config)
+    except BudgetError as exc:
+        raise PreflightError(refusal(exc)) from None
 
 
 def _check_health(url: str, name: str, setting: str) -> None:

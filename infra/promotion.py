@@ -13,7 +13,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra.signing import SignatureCheck
 
@@ -37,9 +37,33 @@ class PromotionGates(BaseModel):
     perplexity_increase_max: float | None = Field(
         None, ge=0, description="maximum relative increase of held-out perplexity (0.5 = +50%)")
     param_reduction_min: float | None = Field(None, ge=0, le=1, description="minimum fraction of params removed")
+    decode_speedup: str | None = Field(
+        None, description='bound on the measured decode speedup over the dense model, e.g. ">= 1.2" '
+                          "(metric serving.decode_speedup, logged by the flow's serving measurement)")
+    metric_bounds: dict[str, str] = Field(
+        default_factory=dict, description='any logged metric -> bound, e.g. {"serving.fraction_of_ideal": ">= 0.5"}')
     require_signature: bool = Field(
         True, description="the version's OpenSSF model signature must verify with the public key against the "
                           "model in S3 (false: promote unsigned versions too)")
+
+    @field_validator("decode_speedup")
+    @classmethod
+    def _check_speedup(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_bound(value)
+        return value
+
+    @field_validator("metric_bounds")
+    @classmethod
+    def _check_bounds(cls, value: dict[str, str]) -> dict[str, str]:
+        for bound in value.values():
+            parse_bound(bound)
+        return value
+
+    def bounds(self) -> dict[str, str]:
+        """Every metric bound, the decode_speedup shorthand included."""
+        extra = {"serving.decode_speedup": self.decode_speedup} if self.decode_speedup else {}
+        return {**self.metric_bounds, **extra}
 
     @classmethod
     def from_file(cls, path: Path) -> PromotionGates:
@@ -50,6 +74,20 @@ class PromotionGates(BaseModel):
         except (FileNotFoundError, ValueError) as exc:
             raise PromotionError(str(exc)) from None
         return cls(**data.get("gates", data))
+
+
+_BOUND = re.compile(r"^\s*(>=|<=|>|<|==)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
+_COMPARE: dict[str, Callable[[float, float], bool]] = {
+    ">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, "<": lambda a, b: a < b,
+    "==": lambda a, b: a == b}
+
+
+def parse_bound(text: str) -> tuple[str, float]:
+    """'>= 1.2' -> ('>=', 1.2); anything else is a ValueError naming the expected form."""
+    match = _BOUND.match(str(text))
+    if not match:
+        raise ValueError(f"bound {text!r} is not OP NUMBER with OP one of >=, <=, >, <, == (e.g. \">= 1.2\")")
+    return match.group(1), float(match.group(2))
 
 
 class GateResult(BaseModel):
@@ -94,6 +132,16 @@ def evaluate_gates(gates: PromotionGates, metrics: dict[str, float]) -> list[Gat
                                   observed=got, threshold=gates.param_reduction_min,
                                   detail="not logged" if got is None
                                   else f"{got:.2%} removed (need >= {gates.param_reduction_min:.2%})"))
+    for name, bound in sorted(gates.bounds().items()):
+        op, threshold = parse_bound(bound)
+        got = metrics.get(name)
+        label = "decode speedup" if name == "serving.decode_speedup" else name
+        if got is None:
+            results.append(GateResult(gate=label, passed=False, observed=None, threshold=threshold,
+                                      detail=f"metric {name} not logged for this version"))
+            continue
+        results.append(GateResult(gate=label, passed=math.isfinite(got) and _COMPARE[op](got, threshold), observed=got,
+                                  threshold=threshold, detail=f"{name} = {got:.4g} (need {op} {threshold:g})"))
     return results
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pip_core import families
+from pip_core import alignment, families
 from pip_core.errors import PruneError
 from pip_core.families import Family
 from pip_core.units import Unit, check_supported, family_of, layer_shape, param_count
@@ -31,11 +31,11 @@ class PruneReport:
 
 
 def select(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target_params: int,
-           protect_first: int = 1, protect_last: int = 1, width_mode: str = "per_layer") -> list[Unit]:
+           protect_first: int = 1, protect_last: int = 1, width_mode: str = "per_layer", align: int = 1) -> list[Unit]:
     """Lowest-scoring units first until `target_params` are covered (overshoot < one unit).
 
-    `width_mode="uniform"` dispatches attention/MLP units to `select_uniform`; blocks are
-    always selected here.
+    `width_mode="uniform"` dispatches attention/MLP units to `select_uniform` (with `align`); blocks
+    are always selected here.
 
     Kinds are ranked separately and each gets a share of the target proportional to its
     prunable parameters, because scores of a whole attention group and of a single MLP channel
@@ -48,7 +48,7 @@ def select(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target
     if target_params <= 0:
         return []
     if width_mode == "uniform" and all(u.kind in ("attn", "mlp") for u in units):
-        return select_uniform(units, scores, target_params)
+        return select_uniform(units, scores, target_params, align)
     num_layers = 1 + max(u.layer for u in units)
     protected = set(range(min(protect_first, num_layers))) | set(range(max(0, num_layers - protect_last), num_layers))
     per_layer_count: dict[tuple[str, int], int] = defaultdict(int)
@@ -97,40 +97,37 @@ def _as_floats(scores: Sequence[float] | torch.Tensor, units: Sequence[Unit]) ->
     return values
 
 
-def select_uniform(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target_params: int) -> list[Unit]:
+def select_uniform(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target_params: int,
+                   align: int = 1) -> list[Unit]:
     """Remove the same number of units of each kind from EVERY layer, so widths stay uniform and the
     pruned model is the family's stock config. Each layer drops its own lowest-scoring units; the
     per-layer count of each kind is its share of the target (proportional to its parameters, as in
-    `select`), MLP channels absorbing the rounding. Uniform widths cut every layer, so
-    protect_first/protect_last do not apply (use width_mode per_layer to keep layers whole).
+    `select`), the finest kind absorbing the rounding (`alignment.uniform_cuts`). With `align` > 1
+    every layer keeps a multiple of `align` MLP channels (clamped for narrow models). Uniform widths
+    cut every layer, so protect_first/protect_last do not apply (use width_mode per_layer to keep layers whole).
     """
     scores = _as_floats(scores, units)
     by_layer: dict[str, dict[int, list[tuple[float, Unit]]]] = defaultdict(lambda: defaultdict(list))
     for u, s in zip(units, scores, strict=True):
         by_layer[u.kind][u.layer].append((s, u))
-    step: dict[str, int] = {}  # parameters removed by cutting one unit of that kind in every layer
-    limit: dict[str, int] = {}
+    steps: dict[str, int] = {}  # parameters removed by cutting one unit of that kind in every layer
+    widths: dict[str, int] = {}
     for kind, layers in by_layer.items():
         sizes = {len(v) for v in layers.values()}
         params = {u.num_params for v in layers.values() for _, u in v}
         if len(sizes) != 1 or len(params) != 1:
             raise PruneError(f"{kind} widths differ between layers (a per-layer-pruned model); uniform width mode "
                              "needs equal widths: use width_mode per_layer")
-        step[kind] = len(layers) * params.pop()
-        limit[kind] = sizes.pop() - 1
-    total = sum(step[k] * limit[k] for k in step)
+        steps[kind] = len(layers) * params.pop()
+        widths[kind] = sizes.pop()
+    kinds = alignment.kind_cuts(steps, widths, align)
+    total = sum(c.max_params for c in kinds.values())
     if total < target_params:
         raise PruneError(f"cannot remove {target_params:,} parameters uniformly: at most {total:,} while every layer "
-                         "keeps one unit of each kind; lower the ratio")
-    full = sum(step[k] * (limit[k] + 1) for k in step)
-    kinds = sorted(step, key=lambda k: step[k], reverse=True)  # the finest kind last, to absorb rounding
-    cut: dict[str, int] = {}
-    remaining = target_params
-    for n, kind in enumerate(kinds):
-        share = remaining if n == len(kinds) - 1 else target_params * step[kind] * (limit[kind] + 1) / full
-        cut[kind] = max(0, min(limit[kind], round(share / step[kind])))
-        remaining -= cut[kind] * step[kind]
-    if remaining > min(step.values()):
+                         f"keeps one unit of each kind (MLP widths multiples of {align}); lower the ratio")
+    cut = alignment.uniform_cuts(kinds, target_params)
+    remaining = target_params - sum(cut[k] * steps[k] for k in cut)
+    if remaining > min(c.granularity for c in kinds.values()):
         raise PruneError(f"uniform widths reach only {target_params - remaining:,} of {target_params:,} parameters "
                          "without emptying a layer; lower the ratio or use width_mode per_layer")
     chosen: list[Unit] = []

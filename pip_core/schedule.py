@@ -17,7 +17,6 @@ from pip_core.vocabulary import MAX_RATIO
 log = logging.getLogger(__name__)
 
 
-
 def check_ratio(ratio: float) -> None:
     if not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0.0 < ratio <= MAX_RATIO:
         raise PipCoreError(f"ratio must be in (0, {MAX_RATIO}], got {ratio}")
@@ -63,6 +62,8 @@ class ScoringOptions:
     gradient_checkpointing: bool = False
     #: "uniform": every layer keeps the same widths (stock config); "per_layer": each its own
     width_mode: str = "uniform"
+    #: uniform width mode: every layer keeps a multiple of `align` MLP channels (1: any width)
+    align: int = 1
 
 
 def score_step(model: nn.Module, tokenizer, spec: StepSpec, options: ScoringOptions, *,  # noqa: ANN001
@@ -79,7 +80,7 @@ def score_step(model: nn.Module, tokenizer, spec: StepSpec, options: ScoringOpti
 def select_step(units: Sequence[Unit], scores: Sequence[float], spec: StepSpec, options: ScoringOptions) -> list[Unit]:
     """Second half of a step: the lowest-scoring units worth the step's budget, protected layers excluded."""
     return prune.select(units, scores, spec.params_to_remove, protect_first=options.protect_first,
-                        protect_last=options.protect_last, width_mode=options.width_mode)
+                        protect_last=options.protect_last, width_mode=options.width_mode, align=options.align)
 
 
 @dataclass

@@ -50,8 +50,12 @@ def _root(debug: bool = typer.Option(False, "--debug", help="show Python traceba
 def compress(
     model: str = typer.Option(..., help="Hugging Face hub id or local model directory"),
     ratio: Optional[float] = typer.Option(None, help=config_help("ratio")),
+    target: Optional[str] = typer.Option(None, help=config_help("target")),
     unit: Optional[str] = typer.Option(None, help=config_help("scoring.unit")),
     width_mode: Optional[str] = typer.Option(None, help=config_help("scoring.width_mode")),
+    align: Optional[int] = typer.Option(None, help=config_help("scoring.align")),
+    serve_context: Optional[int] = typer.Option(None, help=config_help("serving.context")),
+    serve_batch: Optional[int] = typer.Option(None, help=config_help("serving.batch")),
     method: Optional[str] = typer.Option(None, help=config_help("scoring.method")),
     iterations: Optional[int] = typer.Option(None, help=config_help("scoring.iterations")),
     calibration: Optional[str] = typer.Option(None, help=config_help(
@@ -81,7 +85,8 @@ def compress(
     progress.configure(progress.choose_mode(quiet, sys.stderr.isatty()))
     with json_output(json_out) as doc:
         cfg = _compress_config(model, config, calibration, include_path, tasks, dict(
-            ratio=ratio, unit=unit, width_mode=width_mode, method=method, iterations=iterations,
+            ratio=ratio, target=target, unit=unit, width_mode=width_mode, align=align, serve_context=serve_context,
+            serve_batch=serve_batch, method=method, iterations=iterations,
             wordlist=wordlist, n_samples=n_samples, seed=seed, eval_limit=eval_limit, registered_model_name=name,
             device=device, dtype=dtype, recovery=None if recovery_steps is None else {"steps": recovery_steps}))
         out_dir = _check_out(out, overwrite)
@@ -274,12 +279,22 @@ def eval_cmd(
 def plan_cmd(
     model: str = typer.Option(..., help="hub id, local model dir, or a config.json file"),
     unit: str = typer.Option("block", help="block | attn | mlp | width (scoring memory is the same)"),
+    target: Optional[str] = typer.Option(None, help=config_help("target")),
+    ratio: Optional[float] = typer.Option(None, help="short for --target ratio=R"),
+    width_mode: str = typer.Option("uniform", help=config_help("scoring.width_mode")),
+    iterations: int = typer.Option(4, help=config_help("scoring.iterations")),
+    align: int = typer.Option(64, help=config_help("scoring.align")),
+    protect_first: int = typer.Option(1, help=config_help("scoring.protect_first")),
+    protect_last: int = typer.Option(1, help=config_help("scoring.protect_last")),
+    serve_context: int = typer.Option(0, help=config_help("serving.context")),
+    serve_batch: int = typer.Option(1, help=config_help("serving.batch")),
+    json_out: bool = typer.Option(False, "--json", help="print the plan as one JSON document (logs: stderr)"),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own)"),
     seq_len: int = typer.Option(128, help="calibration sequence length"),
     gradient_checkpointing: bool = typer.Option(False, help="force recomputing activations in backward"),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N: the device whose free memory counts"),
 ) -> None:
-    """Memory each stage needs, from the config alone (no weights are loaded), and where the model would run."""
+    """Memory each stage needs and, with --target/--ratio, the budget's schedule: from the config alone (no weights)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -287,6 +302,15 @@ def plan_cmd(
     from pip_core.placement import plan_placement
 
     config = _read_config(model)
+    budget = _budget_plan(config, target, ratio, dict(
+        unit=unit, width_mode=width_mode.replace("-", "_"), iterations=iterations, align=align,
+        protect_first=protect_first, protect_last=protect_last, dtype=dtype), serve_context, serve_batch)
+    if json_out:
+        with json_output(True) as doc:
+            doc.emit({"ok": True, "model": model, "budget": budget.as_dict() if budget else None})
+        return
+    if budget is not None:
+        _print_budget(budget)
     try:
         placement = plan_placement(config, device, dtype, seq_len=seq_len)
         plan = placement.plan
@@ -312,6 +336,51 @@ def plan_cmd(
     if not placement.fits:
         typer.secho("does not fit: PIP scoring needs more memory than is free", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
+
+
+def _budget_plan(config: dict, target: str | None, ratio: float | None, options: dict, context: int,
+                 batch: int):  # noqa: ANN202 - pip_core.budget.BudgetPlan | None
+    """The budget plan, or exit 2 naming the problem (an infeasible target: with the nearest feasible one)."""
+    from infra.budgeting import refusal
+    from pip_core.budget import BudgetError, Serving, plan_budget
+    from pip_core.errors import PipCoreError
+
+    if target is not None and ratio is not None:
+        fail("give --ratio or --target, not both")
+    if target is None and ratio is None:
+        return None
+    try:
+        return plan_budget(config, target or f"ratio={ratio}", serving=Serving(context, batch), **options)
+    except BudgetError as exc:
+        fail(refusal(exc))
+    except (PipCoreError, ValueError, TypeError, KeyError) as exc:
+        fail(f"cannot plan the budget: {exc}")
+
+
+def _print_budget(plan) -> None:  # noqa: ANN001 - rich output only
+    from rich.console import Console
+    from rich.table import Table
+
+    from pip_core.budget import format_bytes
+
+    console = Console()
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    align = f", align {plan.effective_align}" if plan.effective_align > 1 else ""
+    console.print(f"target {plan.target}: {plan.params_before:,} -> {plan.params_after:,} parameters "
+                  f"({plan.achieved_ratio:.2%} removed; unit {plan.unit}{align}; one step of granularity = "
+                  f"{plan.granularity:,} parameters), memory {format_bytes(plan.memory_before)} -> "
+                  f"{format_bytes(plan.memory_after)} ({plan.dtype}"
+                  + (f", KV cache {format_bytes(plan.kv_cache_after)}" if plan.kv_cache_after else "") + ")"
+                  + ("" if plan.exact else " [per-layer widths: the figure is the target rounded to one unit]"))
+    table = Table(title="schedule")
+    for col in ("step", "cumulative ratio", "budget (params)", "parameters after", "layers", "KV heads",
+                "MLP width", "memory"):
+        table.add_column(col, justify="right")
+    for s in plan.steps:
+        table.add_row(str(s.step), f"{s.target_ratio:.4f}", f"{s.params_to_remove:,}", f"{s.num_params:,}",
+                      str(s.layers), str(s.kv_heads), str(s.intermediate), format_bytes(s.memory_bytes))
+    console.print(table)
 
 
 def _read_config(model: str) -> dict:

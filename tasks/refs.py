@@ -59,11 +59,20 @@ class PrunePlan(_Ref):
     params_selected: int
 
 
+class BudgetRef(_Ref):
+    """The planned budget of a run (pip_core.budget.BudgetPlan): the ratio the steps follow, the alignment, the tags."""
+
+    ratio: float
+    effective_align: int
+    params_after: int
+    tags: dict[str, str]
+    plan: dict
+
+
 class CheckpointInfo(_Ref):
     iteration: int
     s3_uri: str
     manifest_sha256: str
-
 
 
 class SignatureRef(_Ref):

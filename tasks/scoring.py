@@ -58,7 +58,8 @@ def scoring_options(scoring: ScoringSettings, max_length: int, gradient_checkpoi
     """The config's scoring group as pip_core takes it."""
     return ScoringOptions(method=scoring.method, kind=scoring.unit, max_length=max_length,
                           protect_first=scoring.protect_first, protect_last=scoring.protect_last,
-                          width_mode=scoring.width_mode, gradient_checkpointing=gradient_checkpointing)
+                          width_mode=scoring.width_mode, gradient_checkpointing=gradient_checkpointing,
+                          align=scoring.align)
 
 
 @task(name="score-units", cache_key_fn=key_from("model", "calib", "scoring", "spec", "max_length", "runtime"),
@@ -104,7 +105,8 @@ def select_units(stats: StatsRef, scoring: ScoringSettings, spec: StepSpec) -> P
     table["selected"] = table["unit_id"].isin(chosen_ids)
     table = ScoreTable.validate(table, lazy=True)
     path = Path(stats.path).with_name(
-        f"plan-{spec.params_to_remove}-p{scoring.protect_first}-{scoring.protect_last}-{scoring.width_mode}.csv")
+        f"plan-{spec.params_to_remove}-p{scoring.protect_first}-{scoring.protect_last}-{scoring.width_mode}"
+        f"-a{scoring.align}.csv")
     atomic.write_text(path, table.to_csv(index=False))
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     selected = sum(u.num_params for u in chosen)

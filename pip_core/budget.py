@@ -1,0 +1,371 @@
+"""Budgets: turn "at most 3e9 parameters", "fits in 24 GiB" or "remove 20%" into a pruning schedule.
+
+Everything here is computed from the model's config.json and its family row (the model is built
+on the meta device: no weights are read), so an infeasible target is refused in seconds, before a
+download, a flow run or a registered version exists.
+
+In uniform width mode and for blocks the number of units each step removes does not depend on
+the scores (only which units do), so the planner simulates the flow's steps with the selector's
+own rules (`schedule.plan`, `schedule.step_spec`, `alignment.uniform_cuts`) and the figure it
+prints is the one the run ends at. Per-layer widths depend on the scores; there the planner gives
+the target rounded to one unit.
+
+`memory` counts the saved weights in the output dtype plus, when a serving context and batch are
+given, the KV cache: 2 (K and V) x layers x KV heads x head_dim x context x batch x dtype bytes.
+Sliding-window layers are counted at the full context (an upper bound).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from pip_core import alignment, families
+from pip_core.errors import PipCoreError
+from pip_core.memory_plan import _DTYPE_BYTES, meta_model
+from pip_core.schedule import plan as linear_plan
+from pip_core.schedule import step_spec
+from pip_core.vocabulary import KINDS, MAX_RATIO
+
+TARGET_KINDS = ("params", "memory", "ratio")
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
+_COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_BYTE_SUFFIX = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+                "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+class BudgetError(PipCoreError):
+    """A target that cannot be met; `nearest` is the closest feasible target, spelled as the user would."""
+
+    def __init__(self, message: str, nearest: str | None = None) -> None:
+        super().__init__(message)
+        self.nearest = nearest
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the user asked for: `params` (at most N parameters), `memory` (bytes), or `ratio` removed."""
+
+    kind: str
+    value: float
+
+    @classmethod
+    def parse(cls, text: str) -> Target:
+        """`params=3e9`, `params=350M`, `memory=24GiB`, `memory=500MB`, `ratio=0.2`."""
+        kind, sep, raw = str(text).strip().partition("=")
+        kind, raw = kind.strip().lower(), raw.strip().replace("_", "").replace(",", "")
+        if not sep or kind not in TARGET_KINDS:
+            raise PipCoreError(f"target {text!r} is not KIND=VALUE with KIND one of {', '.join(TARGET_KINDS)} "
+                               "(e.g. params=3e9, memory=24GiB, ratio=0.2)")
+        suffixes = {"params": _COUNT_SUFFIX, "memory": _BYTE_SUFFIX, "ratio": {"": 1}}[kind]
+        match = re.fullmatch(_NUMBER + r"\s*([A-Za-z]*)", raw)
+        if not match or match.group(2).lower() not in suffixes:
+            units = ", ".join(s for s in suffixes if s) or "no unit"
+            raise PipCoreError(f"target {text!r}: {raw!r} is not a number with an optional unit ({units})")
+        value = float(match.group(1)) * suffixes[match.group(2).lower()]
+        if kind == "ratio" and not 0.0 < value <= MAX_RATIO:
+            raise PipCoreError(f"target {text!r}: ratio must be in (0, {MAX_RATIO}]")
+        if value <= 0 or not math.isfinite(value):
+            raise PipCoreError(f"target {text!r}: the value must be positive")
+        return cls(kind, value)
+
+    def __str__(self) -> str:
+        if self.kind == "ratio":
+            return f"ratio={self.value:g}"
+        if self.kind == "memory":
+            return f"memory={format_bytes(self.value)}"
+        return f"params={int(self.value)}"
+
+
+def format_bytes(n: float, up: bool = False) -> str:
+    """MiB or GiB to three decimals (`up`: rounded up, so a suggested budget still fits)."""
+    unit, name = (2**30, "GiB") if n >= 2**30 else (2**20, "MiB")
+    value = math.ceil(n / unit * 1000) / 1000 if up else round(n / unit, 3)
+    return f"{value:g}{name}"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The figures the planner needs, from the config and the family row (meta build, no weights)."""
+
+    model_type: str
+    num_params: int
+    layers: int
+    kv_heads: int
+    group_size: int
+    head_dim: int
+    intermediate: int
+    attn_unit: int  # parameters one KV group (with its query heads) owns in one layer
+    mlp_unit: int  # parameters one MLP channel owns in one layer
+    layer_other: int  # parameters of a layer outside its units (norms)
+    dtype: str
+
+    @classmethod
+    def from_config(cls, config: dict, dtype: str = "auto") -> Architecture:
+        model = meta_model(config)
+        family = families.family_for(config.get("model_type"))
+        layers = families.decoder_layers(model, family)
+        layer = layers[0]
+        shape = families.layer_shape(layer, family)
+        attn_unit = families.unit_params(layer, family, "attn")
+        mlp_unit = families.unit_params(layer, family, "mlp")
+        block = sum(p.numel() for p in layer.parameters())
+        num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        if dtype == "auto":
+            dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+        if dtype not in _DTYPE_BYTES:
+            raise PipCoreError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_BYTES)}")
+        return cls(model_type=family.model_type, num_params=num_params, layers=len(layers), kv_heads=shape.num_kv_heads,
+                   group_size=shape.group_size, head_dim=shape.head_dim, intermediate=shape.intermediate,
+                   attn_unit=attn_unit, mlp_unit=mlp_unit,
+                   layer_other=block - attn_unit * shape.num_kv_heads - mlp_unit * shape.intermediate, dtype=dtype)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Uniform widths of a (planned) model and its parameter count."""
+
+    num_params: int
+    layers: int
+    kv_heads: int
+    intermediate: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    target_ratio: float
+    params_to_remove: int
+    num_params: int
+    layers: int
+    kv_heads: int
+    intermediate: int
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The deployment the memory target counts the KV cache for (context 0: weights only)."""
+
+    context: int = 0
+    batch: int = 1
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """The target, what the run will reach, and the step-by-step schedule that reaches it."""
+
+    target: str
+    model_type: str
+    unit: str
+    width_mode: str
+    iterations: int
+    dtype: str
+    align: int
+    effective_align: int
+    params_before: int
+    params_after: int
+    #: the removal ratio handed to the flow's linear schedule
+    ratio: float
+    granularity: int
+    memory_before: int
+    memory_after: int
+    kv_cache_after: int
+    exact: bool
+    steps: list[StepPlan] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def achieved_ratio(self) -> float:
+        return (self.params_before - self.params_after) / self.params_before
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "achieved_ratio": self.achieved_ratio}
+
+    def tags(self) -> dict[str, str]:
+        """Tags of the run and the registered version: what was asked, what was planned, the alignment."""
+        return {"pipprune.target": self.target, "pipprune.align": str(self.align),
+                "pipprune.align_effective": str(self.effective_align),
+                "pipprune.planned_params": str(self.params_after),
+                "pipprune.planned_ratio": f"{self.achieved_ratio:.6f}",
+                "pipprune.planned_memory_bytes": str(self.memory_after)}
+
+
+@dataclass(frozen=True)
+class _Planner:
+    arch: Architecture
+    unit: str
+    width_mode: str
+    iterations: int
+    align: int
+    protect_first: int
+    protect_last: int
+    serving: Serving
+
+    @property
+    def uniform(self) -> bool:
+        return self.unit != "block" and self.width_mode == "uniform"
+
+    def memory(self, shape: Shape) -> int:
+        b = self.arch.dtype_bytes
+        kv = 2 * shape.layers * shape.kv_heads * self.arch.head_dim * self.serving.context * self.serving.batch * b
+        return shape.num_params * b + kv
+
+    def kv_cache(self, shape: Shape) -> int:
+        return self.memory(shape) - shape.num_params * self.arch.dtype_bytes
+
+    def dense(self) -> Shape:
+        a = self.arch
+        return Shape(a.num_params, a.layers, a.kv_heads, a.intermediate)
+
+    def block_params(self, s: Shape) -> int:
+        return self.arch.layer_other + self.arch.attn_unit * s.kv_heads + self.arch.mlp_unit * s.intermediate
+
+    def _kinds(self, s: Shape) -> dict[str, alignment.KindCut]:
+        unit = {"attn": self.arch.attn_unit, "mlp": self.arch.mlp_unit}
+        widths = {"attn": s.kv_heads, "mlp": s.intermediate}
+        steps = {k: s.layers * unit[k] for k in KINDS[self.unit]}
+        return alignment.kind_cuts(steps, {k: widths[k] for k in steps}, self.align)
+
+    def max_removable(self, s: Shape) -> int:
+        """The most one step from `s` may remove (what the selector refuses beyond)."""
+        if self.unit == "block":
+            protected = min(self.protect_first, s.layers) + min(self.protect_last, s.layers)
+            return max(0, min(s.layers - 1, s.layers - protected)) * self.block_params(s)
+        if self.uniform:
+            return sum(c.max_params for c in self._kinds(s).values())
+        prunable_layers = max(0, s.layers - self.protect_first - self.protect_last)
+        per_layer = {"attn": self.arch.attn_unit * (s.kv_heads - 1), "mlp": self.arch.mlp_unit * (s.intermediate - 1)}
+        return prunable_layers * sum(per_layer[k] for k in KINDS[self.unit])
+
+    def granularity(self, s: Shape) -> int:
+        if self.unit == "block":
+            return self.block_params(s)
+        if self.uniform:
+            return max(c.granularity for c in self._kinds(s).values())
+        return max({"attn": self.arch.attn_unit, "mlp": self.arch.mlp_unit}[k] for k in KINDS[self.unit])
+
+    def step(self, s: Shape, to_remove: int) -> Shape:
+        """The shape after one selector step asked to remove `to_remove` parameters (its own rules)."""
+        if to_remove <= 0:
+            return s
+        if to_remove > self.max_removable(s):
+            raise BudgetError(f"a step would remove {to_remove:,} parameters, more than the {self.max_removable(s):,} "
+                              "it may without emptying a layer")
+        if self.unit == "block":
+            k = math.ceil(to_remove / self.block_params(s))
+            return Shape(s.num_params - k * self.block_params(s), s.layers - k, s.kv_heads, s.intermediate)
+        if not self.uniform:
+            return replace(s, num_params=s.num_params - to_remove)
+        kinds = self._kinds(s)
+        cuts = alignment.uniform_cuts(kinds, to_remove)
+        removed = sum(cuts[k] * kinds[k].step for k in cuts)
+        return Shape(s.num_params - removed, s.layers, s.kv_heads - cuts.get("attn", 0),
+                     s.intermediate - cuts.get("mlp", 0))
+
+    def simulate(self, to_remove: int) -> list[tuple[float, int, Shape]]:
+        """(cumulative ratio, step budget, shape after) for each step of the flow's linear schedule."""
+        total, shape, out = self.arch.num_params, self.dense(), []
+        for i, cumulative in enumerate(linear_plan(to_remove / total, self.iterations), start=1):
+            spec = step_spec(i, cumulative, total, shape.num_params, 0)
+            shape = self.step(shape, spec.params_to_remove)
+            out.append((cumulative, spec.params_to_remove, shape))
+        return out
+
+    def final(self, to_remove: int) -> Shape | None:
+        try:
+            return self.simulate(to_remove)[-1][2]
+        except BudgetError:
+            return None
+
+
+def plan_budget(config: dict, target: Target | str, *, unit: str = "width", width_mode: str = "uniform",
+                iterations: int = 1, align: int = 64, protect_first: int = 1, protect_last: int = 1,
+                dtype: str = "auto", serving: Serving | None = None) -> BudgetPlan:
+    """The plan for `target` on the model `config` describes, or BudgetError naming the nearest feasible target."""
+    target = Target.parse(target) if isinstance(target, str) else target
+    if unit not in KINDS:
+        raise PipCoreError(f"unknown unit kind {unit!r}; use one of {sorted(KINDS)}")
+    if iterations < 1:
+        raise PipCoreError(f"iterations must be >= 1, got {iterations}")
+    arch = Architecture.from_config(config, dtype)
+    aligned = unit != "block" and width_mode == "uniform" and "mlp" in KINDS[unit]
+    effective = alignment.effective_align(align, arch.intermediate) if aligned else 1
+    planner = _Planner(arch, unit, width_mode, iterations, effective, protect_first, protect_last, serving or Serving())
+    total, dense = arch.num_params, planner.dense()
+    limit = min(planner.max_removable(dense), math.floor(MAX_RATIO * total))
+    limit = _largest_feasible(planner, limit)
+    notes = []
+    if aligned:
+        note = alignment.clamp_note(align, arch.intermediate)
+        if note:
+            notes.append(note)
+    floor = planner.final(limit) if limit > 0 else dense
+    what = f"{arch.model_type} ({total:,} parameters), unit {unit}" + (f", {width_mode} widths" if unit != "block" else "")
+    if target.kind == "ratio":
+        to_remove = round(target.value * total)
+        if to_remove > limit:
+            raise BudgetError(f"target {target} is infeasible for {what}: at most {limit:,} parameters can be removed "
+                              f"({limit / total:.4f}) while every layer keeps a unit of each kind and protected layers "
+                              f"stay whole", nearest=f"ratio={math.floor(limit / total * 1e4) / 1e4:g}")
+    elif target.kind == "params":
+        if target.value >= total:
+            raise BudgetError(f"target {target} is not below the {total:,} parameters {arch.model_type} already has; "
+                              "nothing to prune", nearest=f"params={floor.num_params}")
+        to_remove = total - int(target.value)
+        if to_remove > limit:
+            raise BudgetError(f"target {target} is infeasible for {what}: the smallest model the run can reach has "
+                              f"{floor.num_params:,} parameters", nearest=f"params={floor.num_params}")
+        to_remove = max(to_remove, 1)
+        if unit == "block":  # the nearest whole number of blocks (the selector rounds a block budget up)
+            block = planner.block_params(dense)
+            to_remove = min(max(1, round(to_remove / block)) * block, limit)
+    else:
+        if planner.memory(dense) <= target.value:
+            raise BudgetError(f"target {target}: the dense model already takes {format_bytes(planner.memory(dense))}; "
+                              "nothing to prune", nearest=f"memory={format_bytes(planner.memory(dense))}")
+        if planner.memory(floor) > target.value:
+            smallest = planner.memory(floor)
+            raise BudgetError(f"target {target} is infeasible for {what}: the smallest model the run can reach takes "
+                              f"{format_bytes(smallest)}", nearest=f"memory={format_bytes(smallest, up=True)}")
+        to_remove = _smallest_fitting(planner, limit, target.value)
+    steps = planner.simulate(to_remove)
+    final = steps[-1][2]
+    return BudgetPlan(
+        target=str(target), model_type=arch.model_type, unit=unit, width_mode=width_mode, iterations=iterations,
+        dtype=arch.dtype, align=align, effective_align=effective,
+        params_before=total, params_after=final.num_params, ratio=to_remove / total,
+        granularity=planner.granularity(dense), memory_before=planner.memory(dense), memory_after=planner.memory(final),
+        kv_cache_after=planner.kv_cache(final), exact=unit == "block" or planner.uniform,
+        steps=[StepPlan(i, cumulative, budget, s.num_params, s.layers, s.kv_heads, s.intermediate, planner.memory(s))
+               for i, (cumulative, budget, s) in enumerate(steps, start=1)],
+        notes=notes)
+
+
+def _largest_feasible(planner: _Planner, limit: int) -> int:
+    """The largest removal whose whole schedule runs (a later step may hit a limit the first does not)."""
+    if limit <= 0 or planner.final(limit) is not None:
+        return max(limit, 0)
+    lo, hi = 0, limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if planner.final(mid) is not None else (lo, mid)
+    return lo
+
+
+def _smallest_fitting(planner: _Planner, limit: int, budget: float) -> int:
+    """The smallest removal whose final model fits `budget` bytes (memory falls as the removal grows)."""
+    lo, hi = 0, limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        shape = planner.final(mid)
+        lo, hi = (lo, mid) if shape is not None and planner.memory(shape) <= budget else (mid, hi)
+    while hi < limit and planner.memory(planner.final(hi)) > budget:  # guard: memory is only nearly monotone
+        hi = min(limit, hi + planner.granularity(planner.dense()) // 4 + 1)
+    return hi

@@ -1,0 +1,144 @@
+"""Budgets and alignment without a stack: the planner's figures are what pruning reaches, aligned models
+keep multiples of N channels and reload with the stock class, infeasible targets name the nearest feasible one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pip_core import io, schedule, units
+from pip_core.alignment import allowed_cuts, effective_align
+from pip_core.budget import BudgetError, Serving, Target, plan_budget
+from pip_core.errors import PipCoreError
+from tests.helpers import bpe_tokenizer, tiny_family_model
+
+TEXTS = ["The host said he would come later to the party at the house.",
+         "A cat sat on the mat near the door and watched the bird."]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return bpe_tokenizer(TEXTS)
+
+
+def _prune(model, plan, kind, tokenizer):  # noqa: ANN001, ANN202
+    options = schedule.ScoringOptions("magnitude", kind, width_mode="uniform", align=plan.effective_align)
+    return schedule.prune_iteratively(model, tokenizer, options, plan.ratio, plan.iterations, progress=False)
+
+
+@pytest.mark.parametrize("text, kind, value", [("params=3e9", "params", 3e9), ("params=350M", "params", 350e6),
+                                               ("memory=24GiB", "memory", 24 * 2**30), ("memory=500MB", "memory", 5e8),
+                                               ("ratio=0.2", "ratio", 0.2)])
+def test_targets_parse(text, kind, value):
+    target = Target.parse(text)
+    assert (target.kind, target.value) == (kind, pytest.approx(value))
+
+
+@pytest.mark.parametrize("text", ["params", "size=3", "params=lots", "memory=24GiBs", "ratio=0.95", "params=-1"])
+def test_bad_targets_are_named(text):
+    with pytest.raises(PipCoreError, match="target"):
+        Target.parse(text)
+
+
+def test_alignment_grid_and_clamp():
+    assert allowed_cuts("mlp", 256, 64) == [0, 64, 128, 192]
+    assert allowed_cuts("mlp", 11008, 64)[:3] == [0, 64, 128]
+    assert allowed_cuts("mlp", 200, 64) == [0, 8, 72, 136]  # the first cut snaps an unaligned width to the grid
+    assert effective_align(64, 256) == 64 and effective_align(64, 128) == 32 and effective_align(1, 128) == 1
+
+
+@pytest.mark.parametrize("align", [64, 1])
+@pytest.mark.parametrize("unit", ["width", "mlp", "block"])
+def test_params_target_lands_within_one_unit_on_the_tiny_reference(tiny_reference_dir, unit, align):
+    config = json.loads((tiny_reference_dir / "config.json").read_text())
+    n = 600_000
+    plan = plan_budget(config, f"params={n}", unit=unit, iterations=2, align=align)
+    assert abs(plan.params_after - n) <= plan.granularity, plan
+    model, tokenizer = io.load(tiny_reference_dir)
+    assert units.param_count(model) == plan.params_before
+    result = _prune(model, plan, unit, tokenizer)
+    assert result.params_after == plan.params_after  # the planner simulates the selector's own rules
+    assert abs(result.params_after - n) <= plan.granularity
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "phi3", "gemma2"])
+def test_params_target_through_the_planner_on_other_families(tok, model_type):
+    model = tiny_family_model(model_type, len(tok), intermediate_size=512, num_attention_heads=8, num_key_value_heads=4)
+    config = model.config.to_dict()
+    total = units.param_count(model)
+    n = int(total * 0.75)
+    plan = plan_budget(config, f"params={n}", unit="width", iterations=2, align=64)
+    assert plan.params_before == total and plan.effective_align == 64
+    assert abs(plan.params_after - n) <= plan.granularity
+    result = _prune(model, plan, "width", tok)
+    assert result.params_after == plan.params_after
+    assert all(layer.mlp.down_proj.in_features % 64 == 0 for layer in model.model.layers)
+
+
+def test_memory_target_fits_and_counts_the_kv_cache(tiny_reference_dir):
+    config = json.loads((tiny_reference_dir / "config.json").read_text())
+    weights_only = plan_budget(config, "memory=2.9MiB", unit="width", align=1)
+    with_cache = plan_budget(config, "memory=2.9MiB", unit="width", align=1, serving=Serving(context=64, batch=2))
+    assert weights_only.memory_after <= 2.9 * 2**20 and with_cache.memory_after <= 2.9 * 2**20
+    assert with_cache.kv_cache_after > 0 and with_cache.params_after < weights_only.params_after
+    last = with_cache.steps[-1]
+    kv = 2 * last.layers * last.kv_heads * 24 * 64 * 2 * 4  # head_dim 24, float32
+    assert with_cache.memory_after == last.num_params * 4 + kv
+
+
+@pytest.mark.parametrize("target, nearest", [("params=1000", "params="), ("memory=100KiB", "memory="),
+                                             ("params=5e9", "params=")])
+def test_infeasible_targets_name_the_nearest_feasible_one(tiny_reference_dir, target, nearest):
+    config = json.loads((tiny_reference_dir / "config.json").read_text())
+    with pytest.raises(BudgetError) as err:
+        plan_budget(config, target, unit="width")
+    assert err.value.nearest.startswith(nearest)
+    if target != "params=5e9":  # the nearest feasible target is itself accepted
+        plan_budget(config, err.value.nearest, unit="width")
+
+
+def test_aligned_model_saves_multiples_of_n_and_reloads_with_the_stock_class(tiny_reference_dir, tmp_path):
+    config = json.loads((tiny_reference_dir / "config.json").read_text())
+    plan = plan_budget(config, "ratio=0.3", unit="width", iterations=2, align=64)
+    model, tokenizer = io.load(tiny_reference_dir)
+    _prune(model, plan, "width", tokenizer)
+    out = io.save_pruned(model, tokenizer, tmp_path / "aligned")
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model_type"] == "llama" and "auto_map" not in saved
+    assert saved["intermediate_size"] % 64 == 0 and saved["intermediate_size"] < config["intermediate_size"]
+    assert saved["num_attention_heads"] % saved["num_key_value_heads"] == 0
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == "LlamaForCausalLM"
+    assert all(layer.mlp.gate_proj.out_features % 64 == 0 for layer in reloaded.model.layers)
+    x = torch.tensor([[5, 17, 42, 99, 3, 250, 77, 12]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reloaded(x).logits)
+
+
+def test_decode_speedup_gate_reads_the_logged_metric():
+    from infra.promotion import PromotionGates, evaluate_gates
+
+    metrics = {"serving.decode_speedup": 1.3, "serving.fraction_of_ideal": 0.4}
+    (ok,) = evaluate_gates(PromotionGates(decode_speedup=">= 1.2"), metrics)
+    (bad,) = evaluate_gates(PromotionGates(decode_speedup=">= 1.5"), metrics)
+    (missing,) = evaluate_gates(PromotionGates(decode_speedup=">= 1.2"), {})
+    (other,) = evaluate_gates(PromotionGates(metric_bounds={"serving.fraction_of_ideal": ">= 0.5"}), metrics)
+    assert ok.passed and not bad.passed and not missing.passed and not other.passed
+    with pytest.raises(ValueError, match="OP NUMBER"):
+        PromotionGates(decode_speedup="fast")
+
+
+def test_config_target_and_ratio_spellings():
+    from infra.config import CompressConfig
+
+    base = {"model": "m", "calibration": "c"}
+    assert CompressConfig(**base, target="ratio=0.3").ratio == 0.3
+    assert CompressConfig(**base, target="ratio=0.3").digest() == CompressConfig(**base, ratio=0.3).digest()
+    assert CompressConfig(**base, target="memory=24GiB", serve_context=4096).budget_target() == "memory=24GiB"
+    with pytest.raises(ValueError, match="not both"):
+        CompressConfig(**base, ratio=0.2, target="params=3e9")
+    with pytest.raises(ValueError, match="target"):
+        CompressConfig(**base, target="params=many")
