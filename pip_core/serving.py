@@ -1,10 +1,10 @@
-"""Serving speed of one model with transformers `generate`: prefill and decode tokens/s, latency, memory.
+"""Serving speed of one model with transformers: prefill and decode tokens/s, latency, memory.
 
 Dense and pruned are measured by the same function on the same token ids, so the speedup compares
-like with like. Prefill is timed as a one-token generate; decode tokens/s is the extra tokens of a
-full generate over the extra time it took (`b * (N - 1) / (T_N - T_1)`), so prompt processing and
-sampling set-up cancel out. Generation is greedy with EOS ignored (`min_new_tokens`), so every run
-produces exactly N tokens.
+like with like. Decoding is greedy with the model's own KV cache and EOS ignored, so every run
+produces exactly N tokens; prefill (the prompt up to the first token) and decode (the N - 1 steps
+after it) are timed separately and directly, as a server's time to first token and time per
+output token are.
 
 The ideal speedup is 1 / (1 - FLOP cut), where the cut is that of the matmul weights a decoded
 token multiplies through (every nn.Linear, the LM head included; the embedding is a lookup).
@@ -12,6 +12,7 @@ token multiplies through (every nn.Linear, the LM head included; the embedding i
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from collections.abc import Sequence
@@ -76,35 +77,54 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def greedy_timed(model: nn.Module, ids: torch.Tensor, new_tokens: int,
+                 keep_one: bool = False) -> tuple[float, float, torch.Tensor]:
+    """(prefill seconds, decode seconds, generated ids) of greedy decoding `new_tokens` with the KV cache.
+
+    Timed step by step, as a server sees it: the prompt's forward pass up to the first token, then
+    `new_tokens - 1` one-token steps. Both are measured directly, so neither can come out negative
+    on a noisy machine (a difference of two end-to-end generate timings can).
+    """
+    device = ids.device
+    mask = torch.ones_like(ids)
+    extra = {"logits_to_keep": 1} if keep_one else {}
+    _sync(device)
+    start = time.perf_counter()
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True, **extra)
+    token = out.logits[:, -1:].argmax(-1)
+    _sync(device)
+    prefilled = time.perf_counter()
+    past, tokens = out.past_key_values, [token]
+    for _ in range(new_tokens - 1):
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        out = model(input_ids=token, attention_mask=mask, past_key_values=past, use_cache=True)
+        token, past = out.logits[:, -1:].argmax(-1), out.past_key_values
+        tokens.append(token)
+    _sync(device)
+    return prefilled - start, time.perf_counter() - prefilled, torch.cat(tokens, dim=1)
+
+
 @torch.inference_mode()
 def measure(model: nn.Module, tokenizer, prompts: torch.Tensor, *, new_tokens: int, batch_sizes: Sequence[int],  # noqa: ANN001
             repeats: int = 3) -> ServingStats:
-    """Time greedy generation of `new_tokens` on `prompts` (rows of token ids) at each batch size."""
+    """Time greedy decoding of `new_tokens` on `prompts` (rows of token ids) at each batch size."""
+    del tokenizer  # the prompts are token ids already; kept for the backends' common signature
     device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    common = dict(do_sample=False, pad_token_id=pad, eos_token_id=None)
+    keep_one = "logits_to_keep" in inspect.signature(model.forward).parameters
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model.eval()
     out, cpu_peak = [], 0
     for batch in batch_sizes:
         ids = prompts.repeat((batch + len(prompts) - 1) // len(prompts), 1)[:batch].to(device)
-        mask = torch.ones_like(ids)
-
-        def run(n: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> float:
-            _sync(device)
-            start = time.perf_counter()
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **common)
-            _sync(device)
-            return time.perf_counter() - start
-
-        run(new_tokens)  # warm-up
-        first = [run(1) for _ in range(repeats)]
-        full = [run(new_tokens) for _ in range(repeats)]
-        t1, tn = statistics.median(first), statistics.median(full)
-        out.append(BatchStats(batch=batch, prefill_tokens_per_s=batch * ids.shape[1] / t1,
-                              decode_tokens_per_s=batch * (new_tokens - 1) / max(tn - t1, 1e-9),
-                              latency_p50_s=_percentile(full, 50), latency_p95_s=_percentile(full, 95)))
+        greedy_timed(model, ids, new_tokens, keep_one)  # warm-up
+        timings = [greedy_timed(model, ids, new_tokens, keep_one)[:2] for _ in range(repeats)]
+        prefill = statistics.median(t[0] for t in timings)
+        decode = statistics.median(t[1] for t in timings)
+        latencies = [a + b for a, b in timings]
+        out.append(BatchStats(batch=batch, prefill_tokens_per_s=batch * ids.shape[1] / prefill,
+                              decode_tokens_per_s=batch * (new_tokens - 1) / decode,
+                              latency_p50_s=_percentile(latencies, 50), latency_p95_s=_percentile(latencies, 95)))
         if device.type != "cuda":
             cpu_peak = max(cpu_peak, _cpu_footprint(model, batch, ids.shape[1] + new_tokens))
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else cpu_peak

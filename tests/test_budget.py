@@ -142,3 +142,26 @@ def test_config_target_and_ratio_spellings():
         CompressConfig(**base, ratio=0.2, target="params=3e9")
     with pytest.raises(ValueError, match="target"):
         CompressConfig(**base, target="params=many")
+
+
+def test_serving_decode_is_greedy_generation_timed_step_by_step(tiny_reference_dir):
+    """The timed loop decodes what `generate` decodes, and every figure is positive even when noisy."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pip_core import serving
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_reference_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_reference_dir)
+    ids = serving.prompt_ids(tokenizer, ["the host said that the ghost would alter the plan later"], 2, 12)
+    prefill, decode, tokens = serving.greedy_timed(model, ids, 6, keep_one=True)
+    with torch.inference_mode():
+        expected = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                  min_new_tokens=6, do_sample=False, eos_token_id=None,
+                                  pad_token_id=tokenizer.pad_token_id)
+    assert torch.equal(tokens, expected[:, ids.shape[1]:])
+    assert prefill > 0 and decode > 0
+    stats = serving.measure(model, tokenizer, ids, new_tokens=4, batch_sizes=(1, 3), repeats=2)
+    assert all(b.decode_tokens_per_s > 0 and b.prefill_tokens_per_s > 0 and b.latency_p95_s >= b.latency_p50_s > 0
+               for b in stats.batches)
+    assert [b.batch for b in stats.batches] == [1, 3]
