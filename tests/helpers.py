@@ -176,3 +176,11 @@ def bpe_tokenizer(texts: list[str]):  # noqa: ANN201
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>")
+
+
+def view_gradients(model, tokenizer, text: str) -> dict[str, torch.Tensor]:  # noqa: ANN001, F821
+    """Parameter name -> gradient of the causal-LM loss of `text` alone: the naive per-view reference for PIP."""
+    model.zero_grad()
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -12,6 +12,7 @@ import torch
 from pip_core import bootstrap, io, prune, units
 from pip_core.divergence import DocStats, divergence, doc_stats, read_texts
 from pip_core.errors import PipCoreError
+from tests.helpers import view_gradients
 
 
 @pytest.fixture(scope="module")
@@ -162,16 +163,12 @@ def test_pip_first_order_form_equals_naive_reference(dense):
     fast = importance.score(model, "pip_first_order", found, tokenizer=tokenizer, pairs=pairs, progress=False)
     literal = importance.score(model, "pip_l2", found, tokenizer=tokenizer, pairs=pairs, progress=False)
     naive = torch.zeros(len(found), dtype=torch.float64)
+    names = {id(p): n for n, p in model.named_parameters()}
     for original, perturbed in pairs:
-        grads = []
-        for text in (original, perturbed):
-            model.zero_grad()
-            ids = tokenizer(text, return_tensors="pt")["input_ids"]
-            model(input_ids=ids, labels=ids).loss.backward()
-            grads.append({id(p): p.grad.clone() for p in model.parameters() if p.grad is not None})
+        grads = [view_gradients(model, tokenizer, text) for text in (original, perturbed)]
         for row, unit in enumerate(found):
             for tensor, dim, sl in units.unit_slices(model, unit):
-                d = (grads[0][id(tensor)] - grads[1][id(tensor)]) * tensor.detach()
+                d = (grads[0][names[id(tensor)]] - grads[1][names[id(tensor)]]) * tensor.detach()
                 naive[row] += float((d[sl] if dim == 0 else d[:, sl]).double().abs().sum())
     naive /= len(pairs)
     torch.testing.assert_close(fast, naive, rtol=1e-4, atol=1e-9)

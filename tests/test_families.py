@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig
 from pip_core import families, importance, io, prune, schedule, units
 from pip_core.errors import PruneError, UnsupportedArchitectureError
 from pip_core.memory_plan import param_count_from_config, plan_memory
-from tests.helpers import FAMILY_CONFIGS, bpe_tokenizer, tiny_family_model
+from tests.helpers import FAMILY_CONFIGS, bpe_tokenizer, tiny_family_model, view_gradients
 
 FAMILIES = list(FAMILY_CONFIGS)
 TEXTS = ["The host said he would come later to the party at the house.",
@@ -135,12 +135,7 @@ def test_pip_equals_naive_two_backward_reference(tok, model_type):
     fast = importance.score(model, "pip", found, tokenizer=tok, pairs=PAIRS, progress=False)
     naive = torch.zeros(len(found), dtype=torch.float64)
     for original, perturbed in PAIRS:
-        grads = []
-        for text in (original, perturbed):
-            model.zero_grad()
-            ids = tok(text, return_tensors="pt")["input_ids"]
-            model(input_ids=ids, labels=ids).loss.backward()
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        grads = [view_gradients(model, tok, text) for text in (original, perturbed)]
         for row, unit in enumerate(found):
             sq = 0.0
             for name, (dim, positions) in _hand_owned(model, unit).items():

@@ -21,6 +21,7 @@ from transformers import (
 
 from pip_core import importance, io, prune, schedule, units
 from pip_core.errors import CalibrationError, PipCoreError, UnsupportedArchitectureError
+from tests.helpers import view_gradients
 
 SENTENCES = [
     "The host said he would come later to the party at the house.",
@@ -208,12 +209,7 @@ def test_lean_pip_equals_naive_two_backward_reference(tok, trained):
     naive = torch.zeros(len(found), dtype=torch.float64)
     names = {id(p): n for n, p in model.named_parameters()}
     for original, perturbed in PAIRS:
-        grads = []
-        for text in (original, perturbed):
-            model.zero_grad()
-            ids = tok(text, return_tensors="pt")["input_ids"]
-            model(input_ids=ids, labels=ids).loss.backward()
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        grads = [view_gradients(model, tok, text) for text in (original, perturbed)]
         for row, unit in enumerate(found):
             sq = 0.0
             for tensor, dim, sl in units.unit_slices(model, unit):
