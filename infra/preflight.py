@@ -30,14 +30,14 @@ def check_inputs(config: CompressConfig) -> None:
     resolve_device(config.runtime.device)  # a missing GPU is refused before anything else is read
     local = local_model_dir(config.model)
     model_config = core_io.check_loadable(local)
-    check_budget(config, model_config)  # from config.json alone: an infeasible target reads no weights
-    check_weights_intact(local)
-    core_io.check_weights(local, model_config)
     core_io.check_tokenizer(local)
     source = CalibrationSource(config.calibration.source, config.calibration.wordlist)
     load_calibration(source.path)
     if config.evaluation.tasks:
         check_eval_tasks(config.evaluation.tasks, config.evaluation.include_path)
+    check_budget(config, model_config)  # from config.json alone: an infeasible target reads no weights
+    check_weights_intact(local)
+    core_io.check_weights(local, model_config)
     placement = plan_placement(model_config, config.runtime.device, config.runtime.dtype,
                                seq_len=config.calibration.max_length)
     if not placement.fits:

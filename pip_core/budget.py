@@ -308,6 +308,10 @@ def plan_budget(config: dict, target: Target | str, *, unit: str = "width", widt
             notes.append(note)
     floor = planner.final(limit) if limit > 0 else dense
     what = f"{arch.model_type} ({total:,} parameters), unit {unit}" + (f", {width_mode} widths" if unit != "block" else "")
+    if limit <= 0:
+        raise BudgetError(f"nothing can be removed from {what}: {arch.layers} layers with protect_first="
+                          f"{protect_first} and protect_last={protect_last} leave no unit to prune; lower "
+                          "--protect-first/--protect-last or prune width units")
     if target.kind == "ratio":
         to_remove = round(target.value * total)
         if to_remove > limit:

@@ -28,7 +28,7 @@ def workdir(tmp_path_factory) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
     llama.save_pretrained(root / "llama")
     fast.save_pretrained(root / "llama")
     llama.save_pretrained(root / "no-tokenizer")

@@ -165,3 +165,15 @@ def test_serving_decode_is_greedy_generation_timed_step_by_step(tiny_reference_d
     assert all(b.decode_tokens_per_s > 0 and b.prefill_tokens_per_s > 0 and b.latency_p95_s >= b.latency_p50_s > 0
                for b in stats.batches)
     assert [b.batch for b in stats.batches] == [1, 3]
+
+
+def test_a_model_with_nothing_prunable_is_refused_without_a_nonsense_suggestion():
+    """Two layers, both protected: no target is feasible, and 'ratio=0' is not offered as one."""
+    from pip_core.budget import BudgetError, Target, plan_budget
+
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    with pytest.raises(BudgetError, match="nothing can be removed.*2 layers with protect_first=1") as err:
+        plan_budget(config, Target.parse("ratio=0.2"), unit="block", width_mode="uniform", iterations=2, align=1,
+                    protect_first=1, protect_last=1)
+    assert err.value.nearest is None
