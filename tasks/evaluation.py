@@ -43,10 +43,9 @@ def divergence_metrics(reference: ModelRef | Path, net, tokenizer, texts: list[s
     """heldout_kl (mean per-token KL(dense || model)), heldout_top1_agreement and heldout_ppl_ratio."""
     if same:
         return {"heldout_kl": 0.0, "heldout_top1_agreement": 1.0, "heldout_ppl_ratio": 1.0}
-    # read like any model (runtime placement) but kept out of the hand-off (for_update): the single
-    # hand-off slot must keep the pruned model in hand for the next step
+    # read-only, from the hand-off's reference slot: the dense copy is read from disk once per run
     dense = (core_io.load(reference)[0] if isinstance(reference, Path)
-             else load_model(reference, runtime, for_update=True, seq_len=max_length)[0])
+             else load_model(reference, runtime, keep_slot=True, seq_len=max_length)[0])
     m = divergence(dense, net, tokenizer, texts, max_length=max_length)
     log.info("quick eval: KL to dense %.4f, top-1 agreement %.3f, perplexity ratio %.3f", m["kl"],
              m["top1_agreement"], m["ppl_ratio"])

@@ -57,31 +57,36 @@ def ensure_local(ref: ModelRef, settings: Settings | None = None) -> Path:
 
 
 class ModelHandoff:
-    """The model the last task of this process loaded or produced, keyed by its content fingerprint.
+    """The models of this process's flow run in memory, keyed by their content fingerprints.
 
-    The tasks of one flow run hand one model object along (score -> prune -> quick eval -> next
-    score) instead of each reading the same weights from disk again. Cache keys and S3
-    checkpoints are untouched: a task still receives a `ModelRef`, and only when the fingerprint
-    in hand matches is the object in memory used. A task that changes the model in place takes it
-    out first, so no other task can see it half-pruned.
+    Two slots. `working`: the model the last task loaded or produced; the tasks of one run hand it
+    along (score -> prune -> quick eval -> next score) instead of each reading the same weights
+    again. `reference`: a read-only copy of the dense source for the tasks that compare against it
+    at every step (KL to dense, its lm-eval, its serving speed), kept only when memory holds two
+    models. Cache keys and S3 checkpoints are untouched: a task still receives a `ModelRef`, and
+    only a matching fingerprint uses the object in memory. A task that changes the model in place
+    takes the working copy out first, so no other task sees it half-pruned; the reference copy is
+    never handed out for update.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._slot: tuple[str, Any, Any] | None = None
+        self._slots: dict[str, tuple[str, Any, Any]] = {}
 
     def get(self, fingerprint: str, *, take: bool = False) -> tuple[Any, Any] | None:
+        """The model with `fingerprint`; `take=True` (for an update) looks at the working slot only and empties it."""
         with self._lock:
-            if self._slot is None or self._slot[0] != fingerprint:
-                return None
-            _, net, tokenizer = self._slot
-            if take:
-                self._slot = None
-            return net, tokenizer
+            for role in ("working",) if take else ("working", "reference"):
+                held = self._slots.get(role)
+                if held is not None and held[0] == fingerprint:
+                    if take:
+                        del self._slots[role]
+                    return held[1], held[2]
+            return None
 
-    def put(self, fingerprint: str, net: Any, tokenizer: Any) -> None:  # noqa: ANN401 - any HF model/tokenizer
+    def put(self, fingerprint: str, net: Any, tokenizer: Any, *, role: str = "working") -> None:  # noqa: ANN401
         with self._lock:
-            self._slot = (fingerprint, net, tokenizer)
+            self._slots[role] = (fingerprint, net, tokenizer)
 
 
 #: one per process: the flow's tasks run in the flow's process (Prefect's default thread runner)
@@ -108,8 +113,9 @@ def load_model(ref: ModelRef, runtime: RuntimeSettings | None = None, *, for_upd
     Loaded in `runtime`'s dtype on its device (whole, or spread by device_map='auto' when it does
     not fit one GPU). `for_update=True` is for tasks that modify the model in place: the in-memory
     copy is taken out of the hand-off until the task puts back what it produced. `keep_slot=True`
-    reads a model from disk without evicting the one in hand (the dense model's final evaluation
-    must not push out the pruned model that registration uses next).
+    is for read-only use beside the model in hand (the dense model's KL, evaluation and serving
+    speed): a copy read from disk goes to the reference slot, never evicting the working model, and
+    only while memory holds a second copy.
     """
     held = HANDOFF.get(ref.fingerprint, take=for_update)
     if held is not None:
@@ -119,9 +125,21 @@ def load_model(ref: ModelRef, runtime: RuntimeSettings | None = None, *, for_upd
     net, tokenizer = core_io.load(ensure_local(ref), dtype=placement.dtype, device=placement.device,
                                   device_map=placement.device_map)
     log.info("loaded %s: %s", ref.fingerprint[:12], placement.describe())
-    if not (for_update or keep_slot):
+    if keep_slot:
+        if _room_for_another(ref, runtime, seq_len):
+            HANDOFF.put(ref.fingerprint, net, tokenizer, role="reference")
+        else:
+            log.info("reference copy of %s not kept: memory does not hold two models; read again when needed",
+                     ref.fingerprint[:12])
+    elif not for_update:
         HANDOFF.put(ref.fingerprint, net, tokenizer)
     return net, tokenizer
+
+
+def _room_for_another(ref: ModelRef, runtime: RuntimeSettings, seq_len: int) -> bool:
+    """After loading `ref`, does its device still have room for scoring a model of the same size?"""
+    placement = placement_for(ref, runtime, seq_len)  # free memory measured now, with the copy loaded
+    return placement.fits and not placement.device_map
 
 
 def save_model(net, tokenizer, name: str, num_params: int) -> ModelRef:  # noqa: ANN001

@@ -86,11 +86,9 @@ def first_run(stack_env, tiny_reference_dir):
 def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, tiny_reference_dir, monkeypatch):
     _apply(stack_env, monkeypatch)
     summary, _, loads = first_run
-    # one model handed from task to task: the source is read from disk for its quick eval (scoring, pruning,
-    # the quick evals of both steps and the final model's lm-eval reuse the object in memory) and once more
-    # for its own lm-eval after pruning consumed the first copy; each step's KL to the dense model reads the
-    # source once more (kept out of the hand-off, which holds the pruned model for the next step)
-    assert [str(Path(p).resolve()) for p in loads] == [str(tiny_reference_dir.resolve())] * 4, loads
+    # the source is read twice (the model pruned in place, and the dense copy KL, lm-eval and serving compare
+    # against); every other model is handed from task to task in memory
+    assert [str(Path(p).resolve()) for p in loads] == [str(tiny_reference_dir.resolve())] * 2, loads
     assert abs(summary.achieved_ratio - 0.2) < 0.05
     assert summary.params_after < summary.params_before
 
@@ -128,6 +126,7 @@ def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, 
     """The benchmarks' loop (pip_core.schedule.prune_iteratively) is the product's loop: same units, step by step."""
     from pip_core import io as core_io
     from pip_core import schedule
+    from tasks.scoring import scoring_options
 
     summary, *_ = first_run
     config = _config(tiny_reference_dir)
@@ -139,9 +138,7 @@ def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, 
     [pairs_file] = Path(stack_env["PIPPRUNE_HOME"], "work", "calibration").rglob("pairs.jsonl")
     pairs = [(row["original"], row["perturbed"]) for row in map(json.loads, pairs_file.read_text().splitlines())]
     model, tokenizer = core_io.load(tiny_reference_dir)
-    options = schedule.ScoringOptions(config.scoring.method, config.scoring.unit, config.calibration.max_length,
-                                      config.scoring.protect_first, config.scoring.protect_last,
-                                      width_mode=config.scoring.width_mode)
+    options = scoring_options(config.scoring, config.calibration.max_length)  # the flow's own mapping (align too)
     result = schedule.prune_iteratively(model, tokenizer, options, config.ratio, config.scoring.iterations,
                                         pairs=pairs, seed=config.seed, progress=False)
     loop_units = [[(u.kind, u.layer, u.index) for u in step.removed] for step in result.steps]
@@ -152,10 +149,8 @@ def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, 
 def test_identical_rerun_is_served_without_gradient_collection(first_run, stack_env, tiny_reference_dir,
                                                                monkeypatch):
     _apply(stack_env, monkeypatch)
-    summary, first_elapsed, _ = first_run
-    started = time.perf_counter()
+    summary, *_ = first_run
     again = _run_flow(stack_env, _config(tiny_reference_dir))
-    elapsed = time.perf_counter() - started
     assert again.run_key == summary.run_key
     assert again.model_version == summary.model_version  # idempotent registration
     assert again.params_after == summary.params_after
@@ -170,7 +165,7 @@ def test_identical_rerun_is_served_without_gradient_collection(first_run, stack_
     assert names, "the rerun's task runs were not recorded"
     assert not [n for n, _ in names if n.startswith("score-units")], names
     assert not [n for n, _ in names if n.startswith("prune-step")], names
-    assert first_elapsed / elapsed >= 5, f"rerun {elapsed:.1f}s vs first {first_elapsed:.1f}s"
+    # how much faster that is belongs to benchmarks/overhead.py (rerun speedup), not to a timed test
 
 
 def _cli(env: dict[str, str], *args: str, **kwargs) -> subprocess.Popen:
