@@ -23,7 +23,7 @@ from infra.settings import Settings
 from pip_core.schedule import plan, step_spec
 from tasks.budget import aligned, log_budget, plan_budget
 from tasks.calibration import prepare_calibration
-from tasks.evaluation import evaluate, quick_eval, tasks_digest
+from tasks.evaluation import eval_provenance, evaluate, quick_eval, tasks_digest
 from tasks.models import resolve_source
 from tasks.pruning import checkpoint, prune_step
 from tasks.recovery import recover
@@ -33,7 +33,7 @@ from tasks.resume import find_resume_point
 from tasks.scoring import score_units, select_units
 from tasks.serving import log_serving, measure_serving
 from tasks.signing import sign_checkpoint
-from tasks.tracking import log_datasets, log_final, log_iteration, log_recovery, tracking_run
+from tasks.tracking import log_datasets, log_eval_provenance, log_final, log_iteration, log_recovery, tracking_run
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +81,15 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
         source_eval = evaluate(source.model, ev.tasks, ev.include_path, content, ev.limit, rt)
         after = records.heldout(history[-1])
         serving = log_serving(run_id, measure_serving(source.model, model, calib, config.serving, rt))
+        provenance = eval_provenance(source.model, calib, max_length, final_eval, source_eval)  # what made each figure
+        log_eval_provenance(run_id, provenance)
         signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3
         version = register_model(config.registered_model_name, model, run_id,
-                                 {**records.version_tags(config, lineage, model, run_id, signature),
+                                 {**records.version_tags(config, lineage, model, run_id, signature, provenance),
                                   **log_budget(run_id, budget, model, total), **serving})
-        summary = records.summary(config, run_key, run_id, version, model, total, before, after, source_eval,
-                                  final_eval, len(done), pre_recovery, out_dir)
-        log_final(run_id, records.final_metrics(total, model, before, after, source_eval, final_eval),
+        summary = records.summary(config, run_key, run_id, version, model, total, before, after, source_eval.results,
+                                  final_eval.results, len(done), pre_recovery, out_dir)
+        log_final(run_id, records.final_metrics(total, model, before, after, source_eval.results, final_eval.results),
                   summary.model_dump())
         if out_dir:
             export(model, Path(out_dir), summary, overwrite)

@@ -112,9 +112,13 @@ def final_metrics(total: int, model: ModelRef, before: dict[str, float], after: 
 
 
 def version_tags(config: CompressConfig, lineage: dict[str, str], model: ModelRef, run_id: str,
-                 signature: SignatureRef | None = None) -> dict[str, str]:
-    """Lineage tags of the registered version: everything `pipprune lineage` re-verifies (the signature too)."""
-    return {**lineage, "pipprune.model_fingerprint": model.fingerprint, "pipprune.s3_uri": model.s3_uri or "",
+                 signature: SignatureRef | None = None, eval_provenance: dict | None = None) -> dict[str, str]:
+    """Lineage tags of the registered version: everything `pipprune lineage` re-verifies (the signature too),
+    and what produced its evaluation figures (a digest of the provenance record plus its key fields)."""
+    from infra.eval_provenance import tags as provenance_tags
+
+    return {**(provenance_tags(eval_provenance) if eval_provenance else {}),
+            **lineage, "pipprune.model_fingerprint": model.fingerprint, "pipprune.s3_uri": model.s3_uri or "",
             "pipprune.manifest_sha256": model.manifest_sha256 or "", "pipprune.mlflow_run_id": run_id,
             "pipprune.iterations": str(config.scoring.iterations), "pipprune.method": config.scoring.method,
             "pipprune.final_checkpoint": str(config.scoring.iterations + int(config.recovery.enabled)),

@@ -257,11 +257,11 @@ def eval_cmd(
                 check_eval_tasks(tuple(names), str(include_path) if include_path else None)
         except PreflightError as exc:
             fail(str(exc))
-        from infra.lmeval import run_lmeval
+        from infra.lmeval import run_lmeval_recorded
 
         try:
-            results = run_lmeval(Path(model), names, include_path=include_path, limit=limit, device=device,
-                                 dtype=dtype) if names else {}
+            results, record = run_lmeval_recorded(Path(model), names, include_path=include_path, limit=limit,
+                                                  device=device, dtype=dtype) if names else ({}, None)
         except (ValueError, KeyError, FileNotFoundError) as exc:
             fail(f"evaluation failed: {exc}", code=FAILED)
         if reference is not None:
@@ -272,7 +272,15 @@ def eval_cmd(
                 results["divergence"] = reference_divergence(Path(model), reference, heldout, device=device)
             except PipCoreError as exc:
                 fail(str(exc))
-        doc.emit({"ok": True, "model": model, "results": results})
+        from infra import eval_provenance
+
+        div = results.get("divergence")
+        heldout = {"source": "--heldout file (sha256 of its bytes)", "sha256": div["heldout_sha256"],
+                   "documents": int(div["documents"]), "tokens": int(div["tokens"]),
+                   "max_length": int(div["max_length"])} if div else None
+        provenance = eval_provenance.build({"model": record} if record else {}, heldout)
+        doc.emit({"ok": True, "model": model, "results": results,
+                  "provenance": {**provenance, "sha256": eval_provenance.digest(provenance)}})
 
 
 @app.command("plan")

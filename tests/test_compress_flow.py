@@ -83,7 +83,7 @@ def first_run(stack_env, tiny_reference_dir):
     mp.undo()
 
 
-def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, tiny_reference_dir, monkeypatch):
+def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, tiny_reference_dir, monkeypatch, tmp_path):
     _apply(stack_env, monkeypatch)
     summary, _, loads = first_run
     # one model handed from task to task: the source is read from disk for its quick eval (scoring, pruning,
@@ -122,6 +122,18 @@ def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, tiny_re
     assert version.tags["pipprune.run_key"] == summary.run_key
     assert version.tags["pipprune.s3_uri"] == summary.s3_uri
     assert version.run_id == summary.mlflow_run_id
+
+    # what produced the figures: eval_provenance.json on the run, its digest and key fields on run and version
+    from infra import eval_provenance
+
+    record = json.loads(Path(client.download_artifacts(summary.mlflow_run_id, eval_provenance.ARTIFACT,
+                                                       str(tmp_path))).read_text())
+    digest = eval_provenance.digest(record)
+    assert version.tags["pipprune.eval.provenance_sha256"] == run.data.tags["pipprune.eval.provenance_sha256"] == digest
+    assert version.tags["pipprune.eval.tasks"] == "pipprune_wordnet_cloze@v1.0:0-shot:acc,none/acc_norm,none"
+    assert version.tags["pipprune.eval.limit"] == "40" and set(record["lm_eval"]) == {"final", "source"}
+    assert record["heldout"]["documents"] == 4 and record["heldout"]["max_length"] == 64
+    assert int(version.tags["pipprune.eval.heldout_tokens"]) == record["heldout"]["tokens"] > 0
 
 
 def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, tiny_reference_dir):
