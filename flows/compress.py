@@ -1,8 +1,8 @@
 """The compress flow: wiring only. Each box of the DAG is a task in `tasks`.
 
 plan budget -> calibrate -> for each step [score units -> select units -> prune -> checkpoint (S3) -> quick
-eval -> log] -> optional LoRA recovery (checkpointed as step N+1) -> evaluate (lm-eval) -> measure serving
--> register.
+eval -> log] -> optional recovery, LoRA or KD (checkpointed as step N+1) -> evaluate (lm-eval) -> measure
+serving -> register.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
 def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: dict[str, str], model: ModelRef,
                     calib: CalibrationRef, source_digest: str, done: list[dict], history: list[dict],
                     dense: ModelRef | None = None) -> ModelRef:
-    """LoRA recovery as checkpoint stage N+1 (resumed from S3 when that stage already finished); off: `model`."""
+    """Recovery (LoRA on the LM loss, or KD from `dense`) as checkpoint stage N+1 (resumed from S3 when that stage
+    already finished); off: `model`."""
     if not config.recovery.enabled:
         return model
     stage, total = config.scoring.iterations + 1, history[0]["num_params"]
@@ -108,8 +109,9 @@ def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: 
         history.append(records.history_row(stage, recovered, metrics))
         return recovered
     max_length, rt = config.calibration.max_length, config.runtime
+    teacher = dense if config.recovery.kind == "kd" else None  # distillation: the dense model teaches
     result = recover(model, calib, config.calibration.source, source_digest, config.recovery, config.seed, max_length,
-                     rt)
+                     rt, teacher)
     metrics = {**quick_eval(result.model, calib, max_length, rt, reference=dense),
                "num_params": float(result.model.num_params),
                "achieved_ratio": records.removed_fraction(total, result.model.num_params),
@@ -118,6 +120,7 @@ def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: 
     recovered = checkpoint(run_key, stage, result.model, None, {
         "iteration": stage, "stage": "recovery", "units_removed": [], "metrics": metrics,
         "recovery": config.recovery.model_dump(), "pruned_model_fingerprint": model.fingerprint,
+        "teacher_fingerprint": teacher.fingerprint if teacher else None,
         "model": result.model.model_dump(), "lineage": lineage})
     log_recovery(run_id, stage, metrics, list(result.losses), config.recovery.model_dump())
     history.append(records.history_row(stage, recovered, metrics))

@@ -122,9 +122,18 @@ def version_tags(config: CompressConfig, lineage: dict[str, str], model: ModelRe
             "pipprune.manifest_sha256": model.manifest_sha256 or "", "pipprune.mlflow_run_id": run_id,
             "pipprune.iterations": str(config.scoring.iterations), "pipprune.method": config.scoring.method,
             "pipprune.final_checkpoint": str(config.scoring.iterations + int(config.recovery.enabled)),
-            "pipprune.recovery_steps": str(config.recovery.steps),
+            "pipprune.recovery_steps": str(config.recovery.steps), **recovery_tags(config),
             "pipprune.unit": config.scoring.unit, "pipprune.ratio": str(config.ratio),
             **(signature.tags() if signature else {})}
+
+
+def recovery_tags(config: CompressConfig) -> dict[str, str]:
+    """How the recovery stage trained (only when it ran): kind, and for KD which weights and the temperature."""
+    r = config.recovery
+    if not r.enabled:
+        return {}
+    kd = {"pipprune.recovery_kd_params": r.kd_params, "pipprune.recovery_temperature": str(r.temperature)}
+    return {"pipprune.recovery_kind": r.kind, **(kd if r.kind == "kd" else {})}
 
 
 def summary(config: CompressConfig, run_key: str, run_id: str, version: str, model: ModelRef, total: int,

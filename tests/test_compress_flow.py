@@ -256,9 +256,11 @@ def test_s3_failing_first_attempts_is_survived_by_retries(stack_env, tiny_refere
     assert any(o["Key"].endswith("manifest.json") for o in listing["Contents"])
 
 
+@pytest.mark.parametrize("kind", ["lora", "kd"])
 def test_recovery_stage_is_checkpointed_tracked_traced_and_resumed(stack_env, tiny_reference_dir,
-                                                                    monkeypatch, tmp_path):
-    """LoRA recovery (off by default) runs after the last pruning step as checkpoint stage N+1."""
+                                                                    monkeypatch, tmp_path, kind):
+    """Recovery (off by default; LoRA on the LM loss, or KD from the dense model) runs after the last pruning
+    step as checkpoint stage N+1."""
     _apply(stack_env, monkeypatch)
     from mlflow import MlflowClient
 
@@ -269,8 +271,8 @@ def test_recovery_stage_is_checkpointed_tracked_traced_and_resumed(stack_env, ti
     from pip_core import io as core_io
 
     assert not _config(tiny_reference_dir).recovery.enabled  # off unless asked for
-    config = _config(tiny_reference_dir, iterations=1, ratio=0.3, eval_limit=10, registered_model_name="tiny-lora",
-                     recovery=RecoverySettings(steps=25, batch_size=4))
+    config = _config(tiny_reference_dir, iterations=1, ratio=0.3, eval_limit=10, registered_model_name=f"tiny-{kind}",
+                     recovery=RecoverySettings(steps=25, batch_size=4, kind=kind, temperature=2.0))
     summary = _run_flow(stack_env, config)
     assert summary.metrics_before_recovery and "heldout_perplexity" in summary.metrics_before_recovery
     assert summary.s3_uri.endswith("/iter-2/model/")
@@ -291,9 +293,20 @@ def test_recovery_stage_is_checkpointed_tracked_traced_and_resumed(stack_env, ti
     assert set(ppl) == {1, 2} and ppl[2] == summary.metrics_after["heldout_perplexity"]
     assert ppl[1] == summary.metrics_before_recovery["heldout_perplexity"]
 
-    lineage = trace(client, lambda key: CheckpointStore.from_settings(Settings(), key), "tiny-lora")
+    lineage = trace(client, lambda key: CheckpointStore.from_settings(Settings(), key), f"tiny-{kind}")
     assert lineage.ok, lineage.problems
     assert [(it.iteration, it.stage) for it in lineage.iterations] == [(1, "prune"), (2, "recovery")]
+    assert stages[2].metadata["recovery"]["kind"] == kind
+    version = client.get_model_version(f"tiny-{kind}", summary.model_version)
+    assert version.tags["pipprune.recovery_kind"] == kind
+    if kind == "kd":  # the dense source taught it, and lineage says so
+        assert lineage.iterations[1].teacher_fingerprint == lineage.source_fingerprint
+        assert version.tags["pipprune.recovery_temperature"] == "2.0"
+        # distillation brings the model's distribution closer to the dense one, on texts it never trained on
+        kl = {m.step: m.value for m in client.get_metric_history(summary.mlflow_run_id, "heldout_kl")}
+        assert kl[2] < kl[1], kl
+    else:
+        assert lineage.iterations[1].teacher_fingerprint is None
 
     # the merged model is a plain HF directory with the pruned parameter count
     local = store.download_uri(summary.s3_uri, tmp_path / "recovered")
@@ -310,4 +323,4 @@ def test_recovery_stage_is_checkpointed_tracked_traced_and_resumed(stack_env, ti
 
     with temporary_settings(updates={PREFECT_API_URL: stack_env["PREFECT_API_URL"]}):
         names = [n for n, _ in _task_run_names(flow_run_id)]
-    assert names and not [n for n in names if n.startswith(("recover-lora", "prune-step"))], names
+    assert names and not [n for n in names if n.startswith(("recover", "prune-step"))], names
