@@ -136,9 +136,11 @@ def compare(args: argparse.Namespace) -> None:
             runs.append(run)
             print(f"{name} seed {seed}: {seconds:.0f} s, " + ", ".join(
                 f"{k} KL {_stats(run, k).metrics()['kl']:.4f}" for k in sets), flush=True)
-    payload = {"args": vars(args), "params_dense": io.param_count(dense), "params_pruned": io.param_count(pruned),
-               "runs": runs, "summary": summarise(runs, list(sets))}
-    print(write("recovery_compare", payload, compare_table(payload)))
+            # written after every run: a run cut short still leaves every figure measured so far
+            payload = {"args": vars(args), "params_dense": io.param_count(dense),
+                       "params_pruned": io.param_count(pruned), "runs": runs, "summary": summarise(runs, list(sets))}
+            path = write("recovery_compare", payload, compare_table(payload))
+    print(path)
 
 
 def _stats(run: dict, heldout: str):  # noqa: ANN202 - pip_core.divergence.DocStats
@@ -195,19 +197,21 @@ def compare_table(payload: dict) -> list[str]:
              "excludes 0 (lower is better).", ""]
     for heldout, s in payload["summary"].items():
         lines += [f"Held-out **{heldout}** ({s['documents']} documents, {s['tokens']:,.0f} predicted tokens):", "",
-                  "| recovery | KL to dense [95%] | perplexity [95%] | ppl / dense | train s | vs no recovery (KL) "
-                  "| vs LoRA LM loss (KL) |", "|---|---|---|---|---|---|---|"]
+                  "| recovery | KL to dense [95%] | perplexity [95%] | ppl / dense | train s | vs none: KL | vs none: ppl "
+                  "| vs LoRA LM loss: KL | vs LoRA LM loss: ppl |", "|---|---|---|---|---|---|---|---|---|"]
         verdicts = {(v["a"], v["b"], v["metric"]): v for v in s["verdicts"]}
         for name, row in s["variants"].items():
             cells = {m: f"{row[m]['point']:{fmt}} [{row[m]['low']:{fmt}}, {row[m]['high']:{fmt}}]"
                      for m, fmt in (("kl", ".4f"), ("ppl_pruned", ".2f"))}
             vs = {}
             for b in ("none", "lora_lm"):
-                v = verdicts.get((name, b, "kl"))
-                vs[b] = f"{v['verdict']} ({v['diff']['point']:+.4f})" if v else "-"
+                for m, fmt in (("kl", "+.4f"), ("ppl_pruned", "+.2f")):
+                    v = verdicts.get((name, b, m))
+                    vs[b, m] = f"{v['verdict']} ({v['diff']['point']:{fmt}})" if v else "-"
             secs = statistics.mean(seconds[name])
             lines.append(f"| {LABELS.get(name, name)} | {cells['kl']} | {cells['ppl_pruned']} | "
-                         f"{row['ppl_ratio']['point']:.3f} | {secs:.0f} | {vs['none']} | {vs['lora_lm']} |")
+                         f"{row['ppl_ratio']['point']:.3f} | {secs:.0f} | {vs['none', 'kl']} | {vs['none', 'ppl_pruned']} | "
+                         f"{vs['lora_lm', 'kl']} | {vs['lora_lm', 'ppl_pruned']} |")
         lines.append("")
     return lines
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -121,4 +120,3 @@ def test_eval_cli_prints_the_provenance(tiny_reference_dir, tmp_path):
     from infra import eval_provenance
 
     assert prov["sha256"] == eval_provenance.digest({k: v for k, v in prov.items() if k != "sha256"})
-    shutil.rmtree(tasks_dir)
