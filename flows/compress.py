@@ -116,7 +116,8 @@ def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: 
                "num_params": float(result.model.num_params),
                "achieved_ratio": records.removed_fraction(total, result.model.num_params),
                "recovery_texts": float(result.n_texts), "recovery_first_loss": result.first_loss,
-               "recovery_last_loss": result.last_loss, "recovery_seconds": result.seconds}
+               "recovery_last_loss": result.last_loss, "recovery_seconds": result.seconds,
+               "recovery_tokens": float(result.tokens)}
     recovered = checkpoint(run_key, stage, result.model, None, {
         "iteration": stage, "stage": "recovery", "units_removed": [], "metrics": metrics,
         "recovery": config.recovery.model_dump(), "pruned_model_fingerprint": model.fingerprint,

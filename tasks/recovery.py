@@ -36,6 +36,8 @@ class RecoveryResult(BaseModel):
     last_loss: float
     losses: tuple[float, ...]
     seconds: float
+    #: unpadded tokens trained on (steps x batch, the budget two recovery kinds are compared at)
+    tokens: int = 0
 
 
 @task(name="recover", cache_key_fn=key_from("model", "calib", "source_digest", "settings", "seed", "max_length",
@@ -79,7 +81,8 @@ def recover(model: ModelRef, calib: CalibrationRef, calibration: str, source_dig
     log.info("%s recovery: %d steps, loss %.3f -> %.3f in %.0f s", describe(settings), report.steps,
              report.first_loss, report.last_loss, seconds)
     return RecoveryResult(model=recovered, n_texts=len(texts), first_loss=report.first_loss,
-                          last_loss=report.last_loss, losses=report.losses, seconds=seconds)
+                          last_loss=report.last_loss, losses=report.losses, seconds=seconds,
+                          tokens=report.tokens)
 
 
 def describe(settings: RecoverySettings) -> str:

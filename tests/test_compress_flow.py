@@ -297,6 +297,7 @@ def test_recovery_stage_is_checkpointed_tracked_traced_and_resumed(stack_env, ti
     assert lineage.ok, lineage.problems
     assert [(it.iteration, it.stage) for it in lineage.iterations] == [(1, "prune"), (2, "recovery")]
     assert stages[2].metadata["recovery"]["kind"] == kind
+    assert stages[2].metadata["metrics"]["recovery_tokens"] > 25 * 4  # 25 batches of 4 texts
     version = client.get_model_version(f"tiny-{kind}", summary.model_version)
     assert version.tags["pipprune.recovery_kind"] == kind
     if kind == "kd":  # the dense source taught it, and lineage says so
