@@ -195,6 +195,8 @@ def compare_table(payload: dict) -> list[str]:
              "per token and perplexity on held-out text the models never trained on; mean over seeds with a 95% "
              "paired bootstrap over documents (2000 resamples). Verdicts: the interval of the paired difference "
              "excludes 0 (lower is better).", ""]
+    if payload.get("note"):
+        lines += [f"Note: {payload['note']}", ""]
     for heldout, s in payload["summary"].items():
         lines += [f"Held-out **{heldout}** ({s['documents']} documents, {s['tokens']:,.0f} predicted tokens):", "",
                   "| recovery | KL to dense [95%] | perplexity [95%] | ppl / dense | train s | vs none: KL | vs none: ppl "
