@@ -68,6 +68,7 @@ bench: install data
 	$(BIN)/python -m benchmarks.overhead
 	$(BIN)/python -m benchmarks.inference
 	$(BIN)/python -m benchmarks.recovery
+	$(BIN)/python -m benchmarks.recovery --compare --model $(REF_TINY)
 	$(BIN)/python -m benchmarks.report
 
 # External peer (Torch-Pruning) in its own venv: torch-pruning 1.6.x hangs on GQA Llama

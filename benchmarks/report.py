@@ -14,7 +14,9 @@ ORDER = ["divergence", "divergence_wordnet", "divergence_uniform", "divergence_u
          "divergence_block_seeds_wordnet", "divergence_seeds",
          "divergence_seeds_wordnet",
          "ablation_perturbation", "ablation_perturbation_wordnet", "quality", "peer", "cost", "overhead", "inference",
-         "recovery"]
+         "recovery", "recovery_compare"]
+#: tables re-rendered from their JSON here (name -> the benchmark's renderer), so they cannot drift from it
+RENDERERS = {"recovery_compare": ("benchmarks.recovery", "compare_table")}
 
 HEADER = """# pipprune benchmarks
 
@@ -173,6 +175,11 @@ def main() -> None:
     parts = [HEADER, "\n".join(targets()), NOTES]
     for name in ORDER:
         path = RESULTS / f"{name}.md"
+        if name in RENDERERS and (RESULTS / f"{name}.json").is_file():
+            import importlib
+
+            module, func = RENDERERS[name]
+            path.write_text("\n".join(getattr(importlib.import_module(module), func)(_load(name))) + "\n")
         if path.is_file():
             parts.append(path.read_text())
     (RESULTS / "README.md").write_text("\n".join(parts))

@@ -1,8 +1,8 @@
 """The compress flow: wiring only. Each box of the DAG is a task in `tasks`.
 
 plan budget -> calibrate -> for each step [score units -> select units -> prune -> checkpoint (S3) -> quick
-eval -> log] -> optional LoRA recovery (checkpointed as step N+1) -> evaluate (lm-eval) -> measure serving
--> register.
+eval -> log] -> optional recovery, LoRA or KD (checkpointed as step N+1) -> evaluate (lm-eval) -> measure
+serving -> register.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from infra.settings import Settings
 from pip_core.schedule import plan, step_spec
 from tasks.budget import aligned, log_budget, plan_budget
 from tasks.calibration import prepare_calibration
-from tasks.evaluation import evaluate, quick_eval, tasks_digest
+from tasks.evaluation import eval_provenance, evaluate, quick_eval, tasks_digest
 from tasks.models import resolve_source
 from tasks.pruning import checkpoint, prune_step
 from tasks.recovery import recover
@@ -33,7 +33,7 @@ from tasks.resume import find_resume_point
 from tasks.scoring import score_units, select_units
 from tasks.serving import log_serving, measure_serving
 from tasks.signing import sign_checkpoint
-from tasks.tracking import log_datasets, log_final, log_iteration, log_recovery, tracking_run
+from tasks.tracking import log_datasets, log_eval_provenance, log_final, log_iteration, log_recovery, tracking_run
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +81,15 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
         source_eval = evaluate(source.model, ev.tasks, ev.include_path, content, ev.limit, rt)
         after = records.heldout(history[-1])
         serving = log_serving(run_id, measure_serving(source.model, model, calib, config.serving, rt))
+        provenance = eval_provenance(source.model, calib, max_length, final_eval, source_eval)  # what made each figure
+        log_eval_provenance(run_id, provenance)
         signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3
         version = register_model(config.registered_model_name, model, run_id,
-                                 {**records.version_tags(config, lineage, model, run_id, signature),
+                                 {**records.version_tags(config, lineage, model, run_id, signature, provenance),
                                   **log_budget(run_id, budget, model, total), **serving})
-        summary = records.summary(config, run_key, run_id, version, model, total, before, after, source_eval,
-                                  final_eval, len(done), pre_recovery, out_dir)
-        log_final(run_id, records.final_metrics(total, model, before, after, source_eval, final_eval),
+        summary = records.summary(config, run_key, run_id, version, model, total, before, after, source_eval.results,
+                                  final_eval.results, len(done), pre_recovery, out_dir)
+        log_final(run_id, records.final_metrics(total, model, before, after, source_eval.results, final_eval.results),
                   summary.model_dump())
         if out_dir:
             export(model, Path(out_dir), summary, overwrite)
@@ -97,7 +99,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
 def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: dict[str, str], model: ModelRef,
                     calib: CalibrationRef, source_digest: str, done: list[dict], history: list[dict],
                     dense: ModelRef | None = None) -> ModelRef:
-    """LoRA recovery as checkpoint stage N+1 (resumed from S3 when that stage already finished); off: `model`."""
+    """Recovery (LoRA on the LM loss, or KD from `dense`) as checkpoint stage N+1 (resumed from S3 when that stage
+    already finished); off: `model`."""
     if not config.recovery.enabled:
         return model
     stage, total = config.scoring.iterations + 1, history[0]["num_params"]
@@ -106,16 +109,19 @@ def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: 
         history.append(records.history_row(stage, recovered, metrics))
         return recovered
     max_length, rt = config.calibration.max_length, config.runtime
+    teacher = dense if config.recovery.kind == "kd" else None  # distillation: the dense model teaches
     result = recover(model, calib, config.calibration.source, source_digest, config.recovery, config.seed, max_length,
-                     rt)
+                     rt, teacher)
     metrics = {**quick_eval(result.model, calib, max_length, rt, reference=dense),
                "num_params": float(result.model.num_params),
                "achieved_ratio": records.removed_fraction(total, result.model.num_params),
                "recovery_texts": float(result.n_texts), "recovery_first_loss": result.first_loss,
-               "recovery_last_loss": result.last_loss, "recovery_seconds": result.seconds}
+               "recovery_last_loss": result.last_loss, "recovery_seconds": result.seconds,
+               "recovery_tokens": float(result.tokens)}
     recovered = checkpoint(run_key, stage, result.model, None, {
         "iteration": stage, "stage": "recovery", "units_removed": [], "metrics": metrics,
         "recovery": config.recovery.model_dump(), "pruned_model_fingerprint": model.fingerprint,
+        "teacher_fingerprint": teacher.fingerprint if teacher else None,
         "model": result.model.model_dump(), "lineage": lineage})
     log_recovery(run_id, stage, metrics, list(result.losses), config.recovery.model_dump())
     history.append(records.history_row(stage, recovered, metrics))

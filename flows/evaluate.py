@@ -13,8 +13,8 @@ from prefect import flow, task
 
 @task(name="evaluate-dir")
 def evaluate_dir(model_dir: str, tasks: tuple[str, ...], include_path: str | None, limit: int | None) -> dict:
-    """lm-eval on one directory; also reports which Dask worker (if any) ran it."""
-    from infra.lmeval import run_lmeval
+    """lm-eval on one directory with the provenance of its figures; also reports which Dask worker (if any) ran it."""
+    from infra.lmeval import run_lmeval_recorded
 
     try:
         from distributed import get_worker
@@ -22,9 +22,9 @@ def evaluate_dir(model_dir: str, tasks: tuple[str, ...], include_path: str | Non
         worker = get_worker().address
     except (ImportError, ValueError):
         worker = None
-    results = run_lmeval(Path(model_dir), list(tasks), include_path=Path(include_path) if include_path else None,
-                         limit=limit)
-    return {"results": results, "worker": worker}
+    results, provenance = run_lmeval_recorded(Path(model_dir), list(tasks),
+                                              include_path=Path(include_path) if include_path else None, limit=limit)
+    return {"results": results, "provenance": provenance, "worker": worker}
 
 
 @flow(name="evaluate-models")

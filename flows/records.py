@@ -112,15 +112,28 @@ def final_metrics(total: int, model: ModelRef, before: dict[str, float], after: 
 
 
 def version_tags(config: CompressConfig, lineage: dict[str, str], model: ModelRef, run_id: str,
-                 signature: SignatureRef | None = None) -> dict[str, str]:
-    """Lineage tags of the registered version: everything `pipprune lineage` re-verifies (the signature too)."""
-    return {**lineage, "pipprune.model_fingerprint": model.fingerprint, "pipprune.s3_uri": model.s3_uri or "",
+                 signature: SignatureRef | None = None, eval_provenance: dict | None = None) -> dict[str, str]:
+    """Lineage tags of the registered version: everything `pipprune lineage` re-verifies (the signature too),
+    and what produced its evaluation figures (a digest of the provenance record plus its key fields)."""
+    from infra.eval_provenance import tags as provenance_tags
+
+    return {**(provenance_tags(eval_provenance) if eval_provenance else {}),
+            **lineage, "pipprune.model_fingerprint": model.fingerprint, "pipprune.s3_uri": model.s3_uri or "",
             "pipprune.manifest_sha256": model.manifest_sha256 or "", "pipprune.mlflow_run_id": run_id,
             "pipprune.iterations": str(config.scoring.iterations), "pipprune.method": config.scoring.method,
             "pipprune.final_checkpoint": str(config.scoring.iterations + int(config.recovery.enabled)),
-            "pipprune.recovery_steps": str(config.recovery.steps),
+            "pipprune.recovery_steps": str(config.recovery.steps), **recovery_tags(config),
             "pipprune.unit": config.scoring.unit, "pipprune.ratio": str(config.ratio),
             **(signature.tags() if signature else {})}
+
+
+def recovery_tags(config: CompressConfig) -> dict[str, str]:
+    """How the recovery stage trained (only when it ran): kind, and for KD which weights and the temperature."""
+    r = config.recovery
+    if not r.enabled:
+        return {}
+    kd = {"pipprune.recovery_kd_params": r.kd_params, "pipprune.recovery_temperature": str(r.temperature)}
+    return {"pipprune.recovery_kind": r.kind, **(kd if r.kind == "kd" else {})}
 
 
 def summary(config: CompressConfig, run_key: str, run_id: str, version: str, model: ModelRef, total: int,

@@ -16,7 +16,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pip_core.vocabulary import MAX_RATIO, METHOD_ALIASES, Method, PruneTarget, WidthMode
+from pip_core.vocabulary import MAX_RATIO, METHOD_ALIASES, KdParams, Method, PruneTarget, RecoveryKind, WidthMode
 
 
 class _Group(BaseModel):
@@ -85,11 +85,16 @@ class EvaluationSettings(_Group):
 
 
 class RecoverySettings(_Group):
-    """Optional LoRA recovery fine-tuning after the last pruning step; `steps == 0` (default) is off."""
+    """Optional recovery fine-tuning after the last pruning step; `steps == 0` (default) is off."""
 
-    steps: int = Field(0, ge=0, le=1_000_000, description="LoRA recovery steps after pruning, merged back (0 = off)")
-    rank: int = Field(8, ge=1, le=1024)
-    lr: float = Field(2e-3, gt=0.0, le=1.0)
+    steps: int = Field(0, ge=0, le=1_000_000, description="recovery steps after pruning (0 = off)")
+    kind: RecoveryKind = Field("lora", description="lora: LoRA on the LM loss | kd: distillation from the dense model "
+                                                 "(KL on logits)")
+    kd_params: KdParams = Field("lora", description="weights that kd trains: lora (adapters, merged back) | full")
+    temperature: float = Field(1.0, gt=0.0, le=100.0, description="kd: softmax temperature of both models' logits "
+                                                               "(loss scaled by T^2)")
+    rank: int = Field(8, ge=1, le=1024, description="LoRA rank (kind lora, or kd with kd_params lora)")
+    lr: float = Field(2e-3, gt=0.0, le=1.0, description="AdamW learning rate (full-weight kd wants about 10x less)")
     batch_size: int = Field(8, ge=1, le=4096)
     max_texts: int = Field(2048, ge=1, le=10_000_000,
                            description="calibration texts to train on (held-out texts never included)")

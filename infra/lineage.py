@@ -28,7 +28,9 @@ class LineageError(ValueError):
 
 class IterationRecord(BaseModel):
     iteration: int
-    stage: str = "prune"  # "prune", or "recovery" for the LoRA stage after the last pruning step
+    stage: str = "prune"  # "prune", or "recovery" for the LoRA / KD stage after the last pruning step
+    #: recovery by distillation: the teacher's fingerprint (lineage checks it is the source model)
+    teacher_fingerprint: str | None = None
     s3_uri: str
     num_params: int | None
     achieved_ratio: float | None
@@ -119,8 +121,10 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
                 problems.append(f"iteration {i}: {metric} in S3 is {metrics[metric]} but MLflow logged {steps[i]}")
         if meta.get("lineage", {}).get("pipprune.run_key") not in (None, tags["pipprune.run_key"]):
             problems.append(f"iteration {i}: manifest belongs to run key {meta['lineage']['pipprune.run_key']}")
+        problems.extend(_check_recovery(i, meta, refs.get(i - 1), tags))
         iterations.append(IterationRecord(
             iteration=i, stage=meta.get("stage", "prune"), s3_uri=ref.uri,
+            teacher_fingerprint=meta.get("teacher_fingerprint"),
             num_params=metrics.get("num_params") and int(metrics["num_params"]),
             achieved_ratio=metrics.get("achieved_ratio"), units_removed=len(meta.get("units_removed", [])),
             metrics=metrics, files_verified=len(ref.files) - len(mismatches)))
@@ -207,3 +211,17 @@ def _check_mlflow_model(mv, tags: dict[str, str], final, store) -> list[str]:  #
             problems.append(f"{final.uri}{rel}: sha256 {sha256_bytes(data)[:12]} != listed {digest[:12]}")
     return problems
 
+
+def _check_recovery(i: int, meta: dict, previous, tags: dict[str, str]) -> list[str]:  # noqa: ANN001
+    """A recovery stage continues the last pruned model, and a distilled one names the source as its teacher."""
+    if meta.get("stage") != "recovery":
+        return []
+    problems = []
+    if previous is not None and meta.get("pruned_model_fingerprint") != previous.metadata.get("model_fingerprint"):
+        problems.append(f"iteration {i}: recovery started from {str(meta.get('pruned_model_fingerprint'))[:12]}, "
+                        f"not the checkpoint of step {i - 1}")
+    if (meta.get("recovery") or {}).get("kind") == "kd" and \
+            meta.get("teacher_fingerprint") != tags.get("pipprune.source_fingerprint"):
+        problems.append(f"iteration {i}: distilled from teacher {str(meta.get('teacher_fingerprint'))[:12]}, "
+                        f"not the source model {tags.get('pipprune.source_fingerprint', '')[:12]}")
+    return problems

@@ -42,10 +42,18 @@ def run_lmeval(model_dir: Path, tasks: list[str], include_path: Path | None = No
     `device` (auto | cpu | cuda | cuda:N) and `dtype` (auto = the checkpoint's own) say how the
     model is loaded; `loaded` is that directory's (model, tokenizer) when the caller already holds them.
     """
+    return run_lmeval_recorded(model_dir, tasks, include_path, limit, batch_size, device, dtype, loaded)[0]
+
+
+def run_lmeval_recorded(model_dir: Path, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
+                        batch_size: int = 8, device: str | None = None, dtype: str = "auto",
+                        loaded: tuple | None = None) -> tuple[dict[str, dict[str, float]], dict]:
+    """`run_lmeval` plus the provenance of its figures (infra.eval_provenance.lmeval_record), read off the run itself."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    from infra.eval_provenance import lmeval_record
     from pip_core import io as core_io
 
     if include_path is not None and not Path(include_path).is_dir():
@@ -72,4 +80,4 @@ def run_lmeval(model_dir: Path, tasks: list[str], include_path: Path | None = No
                 continue
             clean[name] = float(value)
         out[task] = clean
-    return out
+    return out, lmeval_record(results, lm.max_length, batch_size, limit)

@@ -67,7 +67,7 @@ def describe_finished(params: dict[str, str], summary: dict[str, Any]) -> str:
     lines += [
         "",
         f"- ratio asked {params.get('ratio')}, **achieved {summary['achieved_ratio']:.3f}** "
-        f"in {params.get('scoring.iterations')} steps" + (", then LoRA recovery" if recovery else ""),
+        f"in {params.get('scoring.iterations')} steps" + (_recovery_words(params) if recovery else ""),
         f"- registered: `{summary['registered_model']}` version {summary['model_version']} "
         f"(`models:/{summary['registered_model']}/{summary['model_version']}`)",
         f"- final checkpoint: `{summary['s3_uri']}`",
@@ -97,3 +97,9 @@ def stop_system_metrics(monitor) -> None:  # noqa: ANN001
         monitor.finish()
     except Exception as exc:  # noqa: BLE001
         log.warning("system metrics monitor did not stop cleanly: %s", exc)
+
+
+def _recovery_words(params: dict) -> str:
+    if params.get("recovery.kind") == "kd":
+        return f", then distillation from the dense model ({params.get('recovery.kd_params')} weights)"
+    return ", then LoRA recovery"

@@ -58,12 +58,22 @@ def _values(stats: DocStats, weights: torch.Tensor, metric: str) -> torch.Tensor
     raise PipCoreError(f"no bootstrap for metric {metric!r}; use kl, top1_agreement, ppl_ratio or ppl_pruned")
 
 
-def interval(stats: DocStats, metric: str, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> Interval:
-    """Percentile interval of `metric` (a key of DocStats.metrics) over document resamples."""
-    weights = resample_weights(len(stats.tokens), n_boot, seed)
-    values = _values(stats, weights, metric)
+def interval(stats: DocStats | Sequence[DocStats], metric: str, n_boot: int = 2000, seed: int = 0,
+             level: float = 0.95) -> Interval:
+    """Percentile interval of `metric` (a key of DocStats.metrics) over document resamples.
+
+    Given a sequence (one DocStats per seed, same documents), the metric is the mean over seeds and
+    every seed shares each resample of the documents.
+    """
+    stats_list = [stats] if isinstance(stats, DocStats) else list(stats)
+    if not stats_list:
+        raise PipCoreError("an interval needs at least one measurement")
+    if any(not torch.equal(s.tokens, stats_list[0].tokens) for s in stats_list):
+        raise PipCoreError("pooling over seeds needs the same held-out documents for every seed (token counts differ)")
+    weights = resample_weights(len(stats_list[0].tokens), n_boot, seed)
+    values = sum(_values(s, weights, metric) for s in stats_list) / len(stats_list)
     low, high = _percentile(values, level)
-    return Interval(stats.metrics()[metric], low, high)
+    return Interval(sum(s.metrics()[metric] for s in stats_list) / len(stats_list), low, high)
 
 
 def paired_difference(a: DocStats | Sequence[DocStats], b: DocStats | Sequence[DocStats], metric: str,

@@ -30,5 +30,12 @@ BLOCK_ONLY_METHODS = frozenset({"block_influence"})
 WidthMode = Literal["uniform", "per_layer"]
 WIDTH_MODES: tuple[str, ...] = get_args(WidthMode)
 
+#: what recovery trains on: LoRA on the LM loss, or distillation (KL on logits) from the dense model
+RecoveryKind = Literal["lora", "kd"]
+RECOVERY_KINDS: tuple[str, ...] = get_args(RecoveryKind)
+#: which weights distillation trains: LoRA adapters merged back, or every weight
+KdParams = Literal["lora", "full"]
+KD_PARAMS: tuple[str, ...] = get_args(KdParams)
+
 #: the largest fraction of parameters a run may remove
 MAX_RATIO = 0.9

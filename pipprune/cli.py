@@ -68,6 +68,7 @@ def compress(
     eval_limit: Optional[int] = typer.Option(None, help=config_help("evaluation.limit")),
     name: Optional[str] = typer.Option(None, help=config_help("registered_model_name")),
     recovery_steps: Optional[int] = typer.Option(None, help=config_help("recovery.steps")),
+    recovery: Optional[str] = typer.Option(None, help=config_help("recovery.kind", "(with --recovery-steps N)")),
     device: Optional[str] = typer.Option(None, help=config_help("runtime.device")),
     dtype: Optional[str] = typer.Option(None, help=config_help("runtime.dtype")),
     config: Optional[Path] = typer.Option(None, help="YAML/JSON config file (CLI options override it)"),
@@ -88,7 +89,9 @@ def compress(
             ratio=ratio, target=target, unit=unit, width_mode=width_mode, align=align, serve_context=serve_context,
             serve_batch=serve_batch, method=method, iterations=iterations,
             wordlist=wordlist, n_samples=n_samples, seed=seed, eval_limit=eval_limit, registered_model_name=name,
-            device=device, dtype=dtype, recovery=None if recovery_steps is None else {"steps": recovery_steps}))
+            device=device, dtype=dtype, recovery=_recovery_options(recovery_steps, recovery)))
+        if recovery is not None and not cfg.recovery.enabled:
+            fail(f"--recovery {recovery} needs recovery steps: add --recovery-steps N (or recovery.steps in the config)")
         out_dir = _check_out(out, overwrite)
         _check_inputs(cfg)
         settings = _runtime(auto_stack)
@@ -97,6 +100,12 @@ def compress(
             doc.emit({"ok": True, **summary.model_dump(mode="json")})
         else:
             _print_summary(summary, settings)
+
+
+def _recovery_options(steps: int | None, kind: str | None) -> dict | None:
+    """--recovery-steps / --recovery as a partial `recovery` group (merged over a config file's)."""
+    options = {k: v for k, v in (("steps", steps), ("kind", kind)) if v is not None}
+    return options or None
 
 
 def _compress_config(model: str, config: Path | None, calibration: str | None, include_path: str | None,
@@ -207,7 +216,7 @@ def _print_summary(summary, settings) -> None:  # noqa: ANN001 - rich output onl
     if summary.metrics_before_recovery:
         ppl = summary.metrics_before_recovery.get("heldout_perplexity")
         if ppl is not None:
-            console.print(f"LoRA recovery: held-out perplexity {ppl:.4g} before recovery, "
+            console.print(f"recovery: held-out perplexity {ppl:.4g} before recovery, "
                           f"{summary.metrics_after.get('heldout_perplexity', float('nan')):.4g} after")
     if summary.iterations_resumed:
         console.print(f"Resumed after {summary.iterations_resumed} completed iteration(s) found in S3")
@@ -257,11 +266,11 @@ def eval_cmd(
                 check_eval_tasks(tuple(names), str(include_path) if include_path else None)
         except PreflightError as exc:
             fail(str(exc))
-        from infra.lmeval import run_lmeval
+        from infra.lmeval import run_lmeval_recorded
 
         try:
-            results = run_lmeval(Path(model), names, include_path=include_path, limit=limit, device=device,
-                                 dtype=dtype) if names else {}
+            results, record = run_lmeval_recorded(Path(model), names, include_path=include_path, limit=limit,
+                                                  device=device, dtype=dtype) if names else ({}, None)
         except (ValueError, KeyError, FileNotFoundError) as exc:
             fail(f"evaluation failed: {exc}", code=FAILED)
         if reference is not None:
@@ -272,7 +281,15 @@ def eval_cmd(
                 results["divergence"] = reference_divergence(Path(model), reference, heldout, device=device)
             except PipCoreError as exc:
                 fail(str(exc))
-        doc.emit({"ok": True, "model": model, "results": results})
+        from infra import eval_provenance
+
+        div = results.get("divergence")
+        heldout = {"source": "--heldout file (sha256 of its bytes)", "sha256": div["heldout_sha256"],
+                   "documents": int(div["documents"]), "tokens": int(div["tokens"]),
+                   "max_length": int(div["max_length"])} if div else None
+        provenance = eval_provenance.build({"model": record} if record else {}, heldout)
+        doc.emit({"ok": True, "model": model, "results": results,
+                  "provenance": {**provenance, "sha256": eval_provenance.digest(provenance)}})
 
 
 @app.command("plan")

@@ -6,7 +6,9 @@ import logging
 from pathlib import Path
 
 from prefect import task
+from pydantic import BaseModel, ConfigDict
 
+from infra import eval_provenance as provenance
 from infra.config import RuntimeSettings
 from infra.hashing import sha256_file, tree_digest
 from pip_core import io as core_io
@@ -84,18 +86,46 @@ def tasks_digest(include_path: str | None) -> str | None:
     return tree_digest(Path(include_path)) if include_path else None
 
 
+class EvalResult(BaseModel):
+    """lm-eval figures {task: {metric: value}} and the provenance record of the run that produced them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    results: dict[str, dict[str, float]]
+    provenance: dict = {}
+
+
 @task(name="evaluate", cache_key_fn=key_from("model", "tasks", "tasks_content", "limit", "runtime"),
       persist_result=True, result_serializer="json")
 def evaluate(model: ModelRef, tasks: tuple[str, ...], include_path: str | None, tasks_content: str | None,
              limit: int | None,
-             runtime: RuntimeSettings = RuntimeSettings()) -> dict[str, dict[str, float]]:
-    """Run lm-eval tasks on the model directory, exactly as `pipprune eval` does."""
-    from infra.lmeval import run_lmeval
+             runtime: RuntimeSettings = RuntimeSettings()) -> EvalResult:
+    """Run lm-eval tasks on the model directory, exactly as `pipprune eval` does, recording what produced them."""
+    from infra.lmeval import run_lmeval_recorded
 
     if not tasks:
-        return {}
+        return EvalResult(results={})
     net, tokenizer = load_model(model, runtime, keep_slot=True)
-    results = run_lmeval(ensure_local(model), list(tasks), include_path=Path(include_path) if include_path else None,
-                         limit=limit, loaded=(net, tokenizer), device=str(next(net.parameters()).device))
+    results, provenance = run_lmeval_recorded(ensure_local(model), list(tasks),
+                                              include_path=Path(include_path) if include_path else None, limit=limit,
+                                              loaded=(net, tokenizer), device=str(next(net.parameters()).device))
     log.info("evaluate: %s", results)
-    return results
+    return EvalResult(results=results, provenance=provenance)
+
+
+@task(name="eval-provenance")
+def eval_provenance(source: ModelRef, calib: CalibrationRef, max_length: int, final: EvalResult,
+                    dense: EvalResult) -> dict:
+    """The provenance record of the run's figures: both lm-eval runs and the held-out set (digest, tokens).
+
+    The held-out texts are those of the quick eval (perplexity, KL / top-1 / ppl ratio to the dense
+    model), tokenized as the quick eval does (truncated to `max_length`); only the tokenizer is read.
+    """
+    from transformers import AutoTokenizer
+
+    texts = read_heldout(calib)
+    tokenizer = AutoTokenizer.from_pretrained(ensure_local(source), trust_remote_code=False)
+    heldout = provenance.heldout_record(tokenizer, texts, max_length, "calibration held-out texts (heldout_samples)") \
+        if texts else None
+    runs = {role: r.provenance for role, r in (("final", final), ("source", dense)) if r.provenance}
+    return provenance.build(runs, heldout)

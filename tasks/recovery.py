@@ -1,4 +1,7 @@
-"""recover: optional LoRA fine-tuning of the pruned model on the calibration texts, merged back.
+"""recover: optional recovery fine-tuning of the pruned model on the calibration texts.
+
+`recovery.kind` lora: LoRA on the LM loss, merged back; kd: distillation from the dense model
+(the teacher, handed over by ModelRef), through LoRA adapters merged back or on every weight.
 
 The result is an ordinary HF directory (same loader as every pruned step), so checkpointing,
 evaluation and registration treat it like any other model.
@@ -15,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from infra.calibration import CalibrationSource, load_calibration
 from infra.config import RecoverySettings, RuntimeSettings
 from pip_core import io as core_io
-from pip_core.recovery import recover_lora
+from pip_core.recovery import recover_kd, recover_lora
 from tasks._common import content_key, key_from
 from tasks.calibration import read_heldout
 from tasks.models import load_model, save_model
@@ -33,35 +36,57 @@ class RecoveryResult(BaseModel):
     last_loss: float
     losses: tuple[float, ...]
     seconds: float
+    #: unpadded tokens trained on (steps x batch, the budget two recovery kinds are compared at)
+    tokens: int = 0
 
 
-@task(name="recover-lora", cache_key_fn=key_from("model", "calib", "source_digest", "settings", "seed", "max_length",
-                                                 "runtime"),
+@task(name="recover", cache_key_fn=key_from("model", "calib", "source_digest", "settings", "seed", "max_length",
+                                            "runtime", "teacher"),
       persist_result=True, result_serializer="json")
 def recover(model: ModelRef, calib: CalibrationRef, calibration: str, source_digest: str, settings: RecoverySettings,
-            seed: int, max_length: int, runtime: RuntimeSettings = RuntimeSettings()) -> RecoveryResult:
-    """Fine-tune LoRA adapters on calibration texts (never the held-out ones) and merge them.
+            seed: int, max_length: int, runtime: RuntimeSettings = RuntimeSettings(),
+            teacher: ModelRef | None = None) -> RecoveryResult:
+    """Fine-tune on calibration texts (never the held-out ones): LoRA on the LM loss, or distil `teacher`.
 
     It draws up to `settings.max_texts` texts from the whole calibration source, not only the
     few scoring pairs: a handful of texts seen for many epochs overfits and raises held-out
-    perplexity instead of recovering it.
+    perplexity instead of recovering it. Both kinds draw the same batches (same token budget).
     """
+    if settings.kind == "kd" and teacher is None:
+        raise ValueError("recovery.kind 'kd' needs the dense model as teacher")
     held = set(read_heldout(calib))
     data = load_calibration(CalibrationSource(calibration).path, n_samples=settings.max_texts + len(held), seed=seed)
     texts = [t for t in data["text"] if t not in held][:settings.max_texts]
-    log.info("LoRA recovery on %d calibration texts (%d held out)", len(texts), len(held))
+    log.info("%s recovery on %d calibration texts (%d held out)", describe(settings), len(texts), len(held))
     net, tokenizer = load_model(model, runtime, for_update=True, seq_len=max_length)
     start = time.perf_counter()
-    merged, report = recover_lora(net, tokenizer, texts, steps=settings.steps, rank=settings.rank, lr=settings.lr,
-                                  batch_size=settings.batch_size, max_length=max_length, seed=seed)
+    if settings.kind == "kd":
+        # read like any model but kept out of the hand-off, which must keep the model being trained
+        dense = load_model(teacher, runtime, for_update=True, seq_len=max_length)[0]
+        out, report = recover_kd(net, dense, tokenizer, texts, steps=settings.steps, params=settings.kd_params,
+                                 rank=settings.rank, lr=settings.lr, batch_size=settings.batch_size,
+                                 max_length=max_length, temperature=settings.temperature, seed=seed)
+        del dense
+    else:
+        out, report = recover_lora(net, tokenizer, texts, steps=settings.steps, rank=settings.rank, lr=settings.lr,
+                                   batch_size=settings.batch_size, max_length=max_length, seed=seed)
     seconds = time.perf_counter() - start
-    num_params = core_io.param_count(merged)
+    num_params = core_io.param_count(out)
     if num_params != model.num_params:
-        raise RuntimeError(f"LoRA merge changed the parameter count {model.num_params} -> {num_params}")
+        raise RuntimeError(f"recovery changed the parameter count {model.num_params} -> {num_params}")
     # named by everything that decides the weights, so two recoveries never share a directory
-    name = content_key(model.fingerprint, calib.data_hash, source_digest, settings.model_dump(), seed, max_length)
-    recovered = save_model(merged, tokenizer, f"{model.fingerprint[:16]}-lora-{name[:16]}", num_params)
-    log.info("LoRA recovery: %d steps, loss %.3f -> %.3f in %.0f s", report.steps, report.first_loss,
-             report.last_loss, seconds)
+    name = content_key(model.fingerprint, calib.data_hash, source_digest, settings.model_dump(), seed, max_length,
+                       teacher.fingerprint if teacher and settings.kind == "kd" else None)
+    recovered = save_model(out, tokenizer, f"{model.fingerprint[:16]}-{settings.kind}-{name[:16]}", num_params)
+    log.info("%s recovery: %d steps, loss %.3f -> %.3f in %.0f s", describe(settings), report.steps,
+             report.first_loss, report.last_loss, seconds)
     return RecoveryResult(model=recovered, n_texts=len(texts), first_loss=report.first_loss,
-                          last_loss=report.last_loss, losses=report.losses, seconds=seconds)
+                          last_loss=report.last_loss, losses=report.losses, seconds=seconds,
+                          tokens=report.tokens)
+
+
+def describe(settings: RecoverySettings) -> str:
+    """'LoRA (LM loss)' or 'KD (lora, T=1)': how the recovery stage trains, for logs and the summary."""
+    if settings.kind == "kd":
+        return f"KD ({settings.kd_params}, T={settings.temperature:g})"
+    return "LoRA (LM loss)"

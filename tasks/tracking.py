@@ -120,6 +120,23 @@ def log_recovery(run_id: str, stage: int, metrics: dict[str, float], losses: lis
         client.log_artifact(run_id, str(path), f"iterations/iter-{stage}")
 
 
+@task(name="log-eval-provenance", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
+def log_eval_provenance(run_id: str, record: dict[str, Any]) -> None:
+    """What produced the run's evaluation figures: `eval_provenance.json` plus its digest and key fields as tags."""
+    import json
+
+    from mlflow.entities import RunTag
+
+    from infra import eval_provenance
+
+    client = mlflow_client()
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in eval_provenance.tags(record).items()])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / eval_provenance.ARTIFACT
+        path.write_text(json.dumps(record, indent=1, sort_keys=True, default=str))
+        client.log_artifact(run_id, str(path))
+
+
 @task(name="log-final", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
 def log_final(run_id: str, metrics: dict[str, float], summary: dict[str, Any]) -> None:
     """Final metrics (step 0), the summary artifact, and the markdown run description."""

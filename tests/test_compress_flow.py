@@ -83,7 +83,7 @@ def first_run(stack_env, tiny_reference_dir):
     mp.undo()
 
 
-def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, tiny_reference_dir, monkeypatch):
+def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, tiny_reference_dir, monkeypatch, tmp_path):
     _apply(stack_env, monkeypatch)
     summary, _, loads = first_run
     # the source is read twice (the model pruned in place, and the dense copy KL, lm-eval and serving compare
@@ -120,6 +120,18 @@ def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, tiny_re
     assert version.tags["pipprune.run_key"] == summary.run_key
     assert version.tags["pipprune.s3_uri"] == summary.s3_uri
     assert version.run_id == summary.mlflow_run_id
+
+    # what produced the figures: eval_provenance.json on the run, its digest and key fields on run and version
+    from infra import eval_provenance
+
+    record = json.loads(Path(client.download_artifacts(summary.mlflow_run_id, eval_provenance.ARTIFACT,
+                                                       str(tmp_path))).read_text())
+    digest = eval_provenance.digest(record)
+    assert version.tags["pipprune.eval.provenance_sha256"] == run.data.tags["pipprune.eval.provenance_sha256"] == digest
+    assert version.tags["pipprune.eval.tasks"] == "pipprune_wordnet_cloze@v1.0:0-shot:acc,none/acc_norm,none"
+    assert version.tags["pipprune.eval.limit"] == "40" and set(record["lm_eval"]) == {"final", "source"}
+    assert record["heldout"]["documents"] == 4 and record["heldout"]["max_length"] == 64
+    assert int(version.tags["pipprune.eval.heldout_tokens"]) == record["heldout"]["tokens"] > 0
 
 
 def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, tiny_reference_dir):
@@ -239,9 +251,11 @@ def test_s3_failing_first_attempts_is_survived_by_retries(stack_env, tiny_refere
     assert any(o["Key"].endswith("manifest.json") for o in listing["Contents"])
 
 
+@pytest.mark.parametrize("kind", ["lora", "kd"])
 def test_recovery_stage_is_checkpointed_tracked_traced_and_resumed(stack_env, tiny_reference_dir,
-                                                                    monkeypatch, tmp_path):
-    """LoRA recovery (off by default) runs after the last pruning step as checkpoint stage N+1."""
+                                                                    monkeypatch, tmp_path, kind):
+    """Recovery (off by default; LoRA on the LM loss, or KD from the dense model) runs after the last pruning
+    step as checkpoint stage N+1."""
     _apply(stack_env, monkeypatch)
     from mlflow import MlflowClient
 
@@ -252,8 +266,8 @@ def test_recovery_stage_is_checkpointed_tracked_traced_and_resumed(stack_env, ti
     from pip_core import io as core_io
 
     assert not _config(tiny_reference_dir).recovery.enabled  # off unless asked for
-    config = _config(tiny_reference_dir, iterations=1, ratio=0.3, eval_limit=10, registered_model_name="tiny-lora",
-                     recovery=RecoverySettings(steps=25, batch_size=4))
+    config = _config(tiny_reference_dir, iterations=1, ratio=0.3, eval_limit=10, registered_model_name=f"tiny-{kind}",
+                     recovery=RecoverySettings(steps=25, batch_size=4, kind=kind, temperature=2.0))
     summary = _run_flow(stack_env, config)
     assert summary.metrics_before_recovery and "heldout_perplexity" in summary.metrics_before_recovery
     assert summary.s3_uri.endswith("/iter-2/model/")
@@ -274,9 +288,21 @@ def test_recovery_stage_is_checkpointed_tracked_traced_and_resumed(stack_env, ti
     assert set(ppl) == {1, 2} and ppl[2] == summary.metrics_after["heldout_perplexity"]
     assert ppl[1] == summary.metrics_before_recovery["heldout_perplexity"]
 
-    lineage = trace(client, lambda key: CheckpointStore.from_settings(Settings(), key), "tiny-lora")
+    lineage = trace(client, lambda key: CheckpointStore.from_settings(Settings(), key), f"tiny-{kind}")
     assert lineage.ok, lineage.problems
     assert [(it.iteration, it.stage) for it in lineage.iterations] == [(1, "prune"), (2, "recovery")]
+    assert stages[2].metadata["recovery"]["kind"] == kind
+    assert stages[2].metadata["metrics"]["recovery_tokens"] > 25 * 4  # 25 batches of 4 texts
+    version = client.get_model_version(f"tiny-{kind}", summary.model_version)
+    assert version.tags["pipprune.recovery_kind"] == kind
+    if kind == "kd":  # the dense source taught it, and lineage says so
+        assert lineage.iterations[1].teacher_fingerprint == lineage.source_fingerprint
+        assert version.tags["pipprune.recovery_temperature"] == "2.0"
+        # distillation brings the model's distribution closer to the dense one, on texts it never trained on
+        kl = {m.step: m.value for m in client.get_metric_history(summary.mlflow_run_id, "heldout_kl")}
+        assert kl[2] < kl[1], kl
+    else:
+        assert lineage.iterations[1].teacher_fingerprint is None
 
     # the merged model is a plain HF directory with the pruned parameter count
     local = store.download_uri(summary.s3_uri, tmp_path / "recovered")
@@ -293,4 +319,4 @@ def test_recovery_stage_is_checkpointed_tracked_traced_and_resumed(stack_env, ti
 
     with temporary_settings(updates={PREFECT_API_URL: stack_env["PREFECT_API_URL"]}):
         names = [n for n, _ in _task_run_names(flow_run_id)]
-    assert names and not [n for n in names if n.startswith(("recover-lora", "prune-step"))], names
+    assert names and not [n for n in names if n.startswith(("recover", "prune-step"))], names

@@ -131,3 +131,22 @@ def test_cli_help_and_defaults_come_from_the_config_model():
     assert str(CompressConfig.model_fields["ratio"].default) in config_help("ratio")
     shown = " ".join(CliRunner().invoke(app, ["compress", "--help"]).output.replace("│", " ").split())
     assert config_help("scoring.iterations") in shown and config_help("calibration.n_samples") in shown
+
+
+def test_recovery_kind_defaults_to_lora_and_kd_settings_are_keyed(tmp_path):
+    from flows.records import run_key_for
+
+    plain = CompressConfig(**BASE, recovery={"steps": 10})
+    assert (plain.recovery.kind, plain.recovery.kd_params, plain.recovery.temperature) == ("lora", "lora", 1.0)
+    kd = CompressConfig(**BASE, recovery={"steps": 10, "kind": "kd"})
+    warm = CompressConfig(**BASE, recovery={"steps": 10, "kind": "kd", "temperature": 2.0})
+    keys = {run_key_for(c, "f", "c", "w") for c in (plain, kd, warm)}
+    assert len(keys) == 3
+    path = tmp_path / "job.yaml"
+    path.write_text("model: m\ncalibration: c\nrecovery: {steps: 40, kind: kd, kd_params: full, temperature: 2}\n")
+    merged = load_config_file(path, recovery={"kind": "lora"})  # --recovery lora keeps the file's steps
+    assert (merged.recovery.steps, merged.recovery.kind, merged.recovery.kd_params) == (40, "lora", "full")
+    with pytest.raises(ValidationError, match="recovery.kind"):
+        CompressConfig(**BASE, recovery={"steps": 10, "kind": "distill"})
+    with pytest.raises(ValidationError, match="recovery.kd_params"):
+        CompressConfig(**BASE, recovery={"steps": 10, "kind": "kd", "kd_params": "half"})

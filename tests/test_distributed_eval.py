@@ -32,6 +32,9 @@ def test_dask_fan_out_matches_sequential(local_stack, tiny_reference_dir, tmp_pa
         parallel = evaluate_models_flow.with_options(task_runner=dask_runner(n_workers=2))(dirs, *args)
     for d in dirs:
         assert parallel[d]["results"] == sequential[d]["results"]
+        # the same evaluation records the same provenance, wherever it ran (content digests, no worker paths)
+        assert parallel[d]["provenance"] == sequential[d]["provenance"]
+        assert parallel[d]["provenance"]["limit"] == 20
         assert sequential[d]["worker"] is None and parallel[d]["worker"].startswith("tcp://127.0.0.1")
     dense_ppl = sequential[str(dense)]["results"]["pipprune_persuasion"]["word_perplexity"]
     assert sequential[str(pruned)]["results"]["pipprune_persuasion"]["word_perplexity"] != dense_ppl
