@@ -184,3 +184,19 @@ def view_gradients(model, tokenizer, text: str) -> dict[str, torch.Tensor]:  # n
     ids = tokenizer(text, return_tensors="pt")["input_ids"]
     model(input_ids=ids, labels=ids).loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def pair_gradients(model, tokenizer, pair: tuple[str, str]) -> list[dict]:  # noqa: ANN001
+    """The naive per-view gradients of one (original, perturbed) pair."""
+    return [view_gradients(model, tokenizer, text) for text in pair]
+
+
+def unit_view_differences(model, unit, grads: list[dict]):  # noqa: ANN001, ANN201
+    """(grad L(s) - grad L(s~), weight) restricted to each tensor slice `unit` owns: what PIP's forms reduce."""
+    from pip_core import units
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    for tensor, dim, sl in units.unit_slices(model, unit):
+        d = (grads[0][names[id(tensor)]] - grads[1][names[id(tensor)]])
+        w = tensor.detach()
+        yield (d[sl], w[sl]) if dim == 0 else (d[:, sl], w[:, sl])

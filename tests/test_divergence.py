@@ -12,7 +12,7 @@ import torch
 from pip_core import bootstrap, io, prune, units
 from pip_core.divergence import DocStats, divergence, doc_stats, read_texts
 from pip_core.errors import PipCoreError
-from tests.helpers import view_gradients
+from tests.helpers import pair_gradients, unit_view_differences
 
 
 @pytest.fixture(scope="module")
@@ -162,14 +162,9 @@ def test_pip_first_order_form_equals_naive_reference(dense):
     found = units.discover(model, "width")
     fast = importance.score(model, "pip_first_order", found, tokenizer=tokenizer, pairs=pairs, progress=False)
     literal = importance.score(model, "pip_l2", found, tokenizer=tokenizer, pairs=pairs, progress=False)
-    naive = torch.zeros(len(found), dtype=torch.float64)
-    names = {id(p): n for n, p in model.named_parameters()}
-    for original, perturbed in pairs:
-        grads = [view_gradients(model, tokenizer, text) for text in (original, perturbed)]
-        for row, unit in enumerate(found):
-            for tensor, dim, sl in units.unit_slices(model, unit):
-                d = (grads[0][names[id(tensor)]] - grads[1][names[id(tensor)]]) * tensor.detach()
-                naive[row] += float((d[sl] if dim == 0 else d[:, sl]).double().abs().sum())
+    per_pair = [pair_gradients(model, tokenizer, pair) for pair in pairs]
+    naive = torch.tensor([[sum(float((d * w).double().abs().sum()) for d, w in unit_view_differences(model, unit, grads))
+                           for unit in found] for grads in per_pair], dtype=torch.float64).sum(0)
     naive /= len(pairs)
     torch.testing.assert_close(fast, naive, rtol=1e-4, atol=1e-9)
     assert not torch.allclose(fast / fast.sum(), literal / literal.sum())

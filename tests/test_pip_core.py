@@ -21,7 +21,7 @@ from transformers import (
 
 from pip_core import importance, io, prune, schedule, units
 from pip_core.errors import CalibrationError, PipCoreError, UnsupportedArchitectureError
-from tests.helpers import view_gradients
+from tests.helpers import pair_gradients, unit_view_differences
 
 SENTENCES = [
     "The host said he would come later to the party at the house.",
@@ -206,17 +206,9 @@ def test_lean_pip_equals_naive_two_backward_reference(tok, trained):
     model = copy.deepcopy(trained)
     found = units.discover(model, "width")
     fast = importance.score(model, "pip", found, tokenizer=tok, pairs=PAIRS, progress=False)
-    naive = torch.zeros(len(found), dtype=torch.float64)
-    names = {id(p): n for n, p in model.named_parameters()}
-    for original, perturbed in PAIRS:
-        grads = [view_gradients(model, tok, text) for text in (original, perturbed)]
-        for row, unit in enumerate(found):
-            sq = 0.0
-            for tensor, dim, sl in units.unit_slices(model, unit):
-                d = grads[0][names[id(tensor)]] - grads[1][names[id(tensor)]]
-                d = d[sl] if dim == 0 else d[:, sl]
-                sq += float(d.double().pow(2).sum())
-            naive[row] += math.sqrt(sq)
+    per_pair = [pair_gradients(model, tok, pair) for pair in PAIRS]
+    naive = torch.tensor([[math.sqrt(sum(float(d.double().pow(2).sum()) for d, _ in unit_view_differences(model, unit, grads)))
+                           for unit in found] for grads in per_pair], dtype=torch.float64).sum(0)
     naive /= len(PAIRS)
     torch.testing.assert_close(fast, naive, rtol=1e-4, atol=1e-7)
 
