@@ -29,7 +29,7 @@ demo: install data
 	$(BIN)/pipprune reference build --size tiny --out $(REF_TINY)
 	$(BIN)/pipprune stack up
 	$(BIN)/pipprune compress --model $(REF_TINY) --ratio 0.2 --unit $(DEMO_UNIT) --method $(DEMO_METHOD) \
-		--iterations 2 --out $(STATE)/demo-out
+		--iterations 2 --out $(STATE)/demo-out --overwrite
 
 lint: install
 	$(BIN)/ruff check .
