@@ -14,7 +14,7 @@ ORDER = ["divergence", "divergence_wordnet", "divergence_uniform", "divergence_u
          "divergence_block_seeds_wordnet", "divergence_seeds",
          "divergence_seeds_wordnet",
          "ablation_perturbation", "ablation_perturbation_wordnet", "quality", "peer", "cost", "overhead", "inference",
-         "recovery", "recovery_compare"]
+         "recovery", "recovery_compare", "serving"]
 #: tables re-rendered from their JSON here (name -> the benchmark's renderer), so they cannot drift from it
 RENDERERS = {"recovery_compare": ("benchmarks.recovery", "compare_table")}
 
@@ -24,7 +24,7 @@ All figures were measured on the project's 2-core CPU machine (no GPU); the JSON
 holds every run, the environment and the arguments. Regenerate: `make bench` and `make bench-peer`
 (or each `python -m benchmarks.<name>`), then `python -m benchmarks.report`. Ratios are measured
 within one run because the machine is shared and noisy. `benchmarks/gpu_check.sh` is the GPU check
-(not run here: no accelerator was lent to this task).
+(run on a lent H200: `benchmarks/results/gpu_check.json`).
 """
 
 

@@ -43,7 +43,8 @@ def kl_to_dense(dense, pruned, tokenizer, texts: list[str]) -> float:  # noqa: A
 
 def _write(model_dir: Path, config: dict, args: argparse.Namespace, rows: list[dict]) -> Path:
     table = [f"# Serving speed of budgeted pruning ({model_dir.name}: {config['model_type']}, "
-             f"intermediate {config['intermediate_size']}, CPU {torch.get_num_threads()} threads, transformers generate, "
+             f"intermediate {config['intermediate_size']}, CPU {torch.get_num_threads()} threads, "
+             "greedy decoding with the KV cache, "
              f"{args.new_tokens} new tokens, median of {args.repeats})", "",
              "Written by `python -m benchmarks.serving` from benchmarks/results/serving.json. Decode speedup = pruned / "
              "dense decode tokens/s on the same prompts, dense measured beside each row; ideal = 1 / (1 - matmul FLOP "

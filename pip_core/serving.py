@@ -88,20 +88,26 @@ def greedy_timed(model: nn.Module, ids: torch.Tensor, new_tokens: int,
     device = ids.device
     mask = torch.ones_like(ids)
     extra = {"logits_to_keep": 1} if keep_one else {}
+    cache = _cache_name(model)
     _sync(device)
     start = time.perf_counter()
     out = model(input_ids=ids, attention_mask=mask, use_cache=True, **extra)
     token = out.logits[:, -1:].argmax(-1)
     _sync(device)
     prefilled = time.perf_counter()
-    past, tokens = out.past_key_values, [token]
+    past, tokens = getattr(out, cache), [token]
     for _ in range(new_tokens - 1):
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-        out = model(input_ids=token, attention_mask=mask, past_key_values=past, use_cache=True)
-        token, past = out.logits[:, -1:].argmax(-1), out.past_key_values
+        out = model(input_ids=token, attention_mask=mask, use_cache=True, **{cache: past})
+        token, past = out.logits[:, -1:].argmax(-1), getattr(out, cache)
         tokens.append(token)
     _sync(device)
     return prefilled - start, time.perf_counter() - prefilled, torch.cat(tokens, dim=1)
+
+
+def _cache_name(model: nn.Module) -> str:
+    """The KV-cache argument and output field: `cache` in transformers >= 5.2x, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @torch.inference_mode()
