@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from infra.hashing import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +30,6 @@ MARKER = "pipprune_output"
 
 class OutputDirError(ValueError):
     """The output path cannot be written without touching something pipprune did not write."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _files(root: Path) -> dict[str, Path]:
@@ -62,7 +55,7 @@ def foreign_files(out: Path) -> list[str] | None:
     for rel, path in sorted(_files(out).items()):
         if rel == PROVENANCE:
             continue
-        if path.is_symlink() or not path.is_file() or listed.get(rel) != _sha256(path):
+        if path.is_symlink() or not path.is_file() or listed.get(rel) != sha256_file(path):
             foreign.append(rel)
     return foreign
 
@@ -124,7 +117,7 @@ def write_output_dir(src: Path, out: Path, summary: dict, overwrite: bool = Fals
     try:
         shutil.copytree(src, tmp, dirs_exist_ok=True, symlinks=False)
         (tmp / PROVENANCE).unlink(missing_ok=True)  # the source's own provenance describes another copy
-        files = {rel: _sha256(path) for rel, path in sorted(_files(tmp).items())}
+        files = {rel: sha256_file(path) for rel, path in sorted(_files(tmp).items())}
         (tmp / PROVENANCE).write_text(json.dumps({MARKER: {"version": 1, "files": files}, **summary}, indent=1))
         os.chmod(tmp, 0o755)  # mkdtemp made it private; a model dir is as readable as any other
         if out.is_dir() and any(out.iterdir()):
