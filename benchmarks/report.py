@@ -13,10 +13,11 @@ ORDER = ["divergence", "divergence_wordnet", "divergence_uniform", "divergence_u
          "divergence_uniform_seeds", "divergence_uniform_seeds_wordnet", "divergence_block_seeds",
          "divergence_block_seeds_wordnet", "divergence_seeds",
          "divergence_seeds_wordnet",
-         "ablation_perturbation", "ablation_perturbation_wordnet", "quality", "peer", "cost", "overhead", "inference",
-         "recovery", "recovery_compare", "serving"]
+         "ablation_perturbation", "ablation_perturbation_wordnet", "ablation", "ablation_wordnet",
+         "quality", "peer", "cost", "overhead", "inference", "recovery", "recovery_compare", "serving"]
 #: tables re-rendered from their JSON here (name -> the benchmark's renderer), so they cannot drift from it
-RENDERERS = {"recovery_compare": ("benchmarks.recovery", "compare_table")}
+RENDERERS = {"recovery_compare": ("benchmarks.recovery", "compare_table"), "ablation": ("benchmarks.ablation", "render"),
+             "ablation_wordnet": ("benchmarks.ablation", "render")}
 
 HEADER = """# pipprune benchmarks
 
