@@ -29,6 +29,8 @@ from benchmarks.divergence import N_BOOT, ci, heldout_texts, kl_comparison, metr
 #: the ablated settings, in the order their tables are shown
 AXES = ("rate", "iterations", "pairs")
 WORD = re.compile(r"[A-Za-z]+")
+#: what identifies a setting within a (unit, ratio, seed) cell
+SETTING = ("axis", "method", "rate", "iterations", "pairs")
 
 
 @dataclass(frozen=True)
@@ -64,35 +66,72 @@ def edited_words(pairs: list[tuple[str, str]]) -> float:
     return sum(sum(a != b for a, b in zip(WORD.findall(o), WORD.findall(p), strict=False)) for o, p in pairs) / len(pairs)
 
 
-def summarise(runs: list[dict], n_boot: int = N_BOOT) -> tuple[list[dict], list[dict]]:
-    """Per run: intervals; per ablated run: paired KL difference to the default run of its unit/ratio/seed;
-    per PIP run (default included): paired KL difference to the baseline run of its unit/ratio/seed."""
+def _mean(runs: list[dict], field: str) -> float | None:
+    values = [r.get(field) for r in runs]
+    return None if None in values else sum(values) / len(values)
+
+
+def _compare(unit: str, ratio: float, seed: int | str, group: dict[tuple, list[dict]], n_boot: int,
+             boot_seed: int) -> tuple[list[dict], list[dict]]:
+    """Intervals and verdicts of one cell; `group` maps a setting (SETTING fields) to its runs, one per seed."""
     from pip_core.divergence import DocStats
 
+    defaults = [k for k in group if k[0] == "default"]
+    baselines = [k for k in group if k[0] == "baseline"]
+    if len(defaults) != 1 or len(baselines) > 1:
+        raise ValueError(f"{unit} ratio {ratio} seed {seed}: need exactly one default run and at most one "
+                         f"baseline run, got {len(defaults)} and {len(baselines)}")
+
+    def stats(key: tuple):  # noqa: ANN202 - one DocStats, or a list of them (pooled over seeds)
+        found = [DocStats.from_json(r["docs"]) for r in group[key]]
+        return found[0] if len(found) == 1 else found
+
+    default = stats(defaults[0])
+    baseline = stats(baselines[0]) if baselines else None
+    order = ["default", "baseline", *AXES]
+    summary, verdicts = [], []
+    for key in sorted(group, key=lambda k: (order.index(k[0]), k[SETTING.index(k[0])] if k[0] in AXES else 0)):
+        row = {"unit": unit, "ratio": ratio, "seed": seed, **dict(zip(SETTING, key, strict=True))}
+        mine = stats(key)
+        summary.append({**row, **{f: _mean(group[key], f) for f in ("edited_words_per_pair", "seconds")},
+                        **metric_intervals(mine, boot_seed, n_boot)})
+        value = row[row["axis"]] if row["axis"] in AXES else None
+        if row["axis"] in AXES:
+            verdicts.append({**row, "value": value, "vs": "default", **kl_comparison(mine, default, boot_seed, n_boot)})
+        if baseline is not None and row["axis"] != "baseline":
+            verdicts.append({**row, "value": value, "vs": baselines[0][1],
+                             **kl_comparison(mine, baseline, boot_seed, n_boot)})
+    return summary, verdicts
+
+
+def summarise(runs: list[dict], n_boot: int = N_BOOT) -> tuple[list[dict], list[dict]]:
+    """Per run: intervals; per ablated run: paired KL difference to the default run of its unit/ratio/seed;
+    per PIP run (default included): paired KL difference to the baseline run of its unit/ratio/seed.
+    With several seeds, the same again pooled over seeds (mean over seeds, seed "mean of ...") for
+    every setting measured at every seed."""
     summary, verdicts = [], []
     for unit, ratio, seed in sorted({(r["unit"], r["ratio"], r["seed"]) for r in runs}):
-        cell = [r for r in runs if (r["unit"], r["ratio"], r["seed"]) == (unit, ratio, seed)]
-        by_axis: dict[str, list[dict]] = {}
+        group: dict[tuple, list[dict]] = {}
+        for r in runs:
+            if (r["unit"], r["ratio"], r["seed"]) == (unit, ratio, seed):
+                group.setdefault(tuple(r[k] for k in SETTING), []).append(r)
+        if any(len(v) > 1 for v in group.values()):
+            raise ValueError(f"{unit} ratio {ratio} seed {seed}: a setting was measured twice")
+        cell_summary, cell_verdicts = _compare(unit, ratio, seed, group, n_boot, seed)
+        summary += cell_summary
+        verdicts += cell_verdicts
+    for unit, ratio in sorted({(r["unit"], r["ratio"]) for r in runs}):
+        cell = sorted((r for r in runs if (r["unit"], r["ratio"]) == (unit, ratio)), key=lambda r: r["seed"])
+        seeds = sorted({r["seed"] for r in cell})
+        if len(seeds) < 2:
+            continue
+        group = {}
         for r in cell:
-            by_axis.setdefault(r["axis"], []).append(r)
-        defaults, baselines = by_axis.get("default", []), by_axis.get("baseline", [])
-        if len(defaults) != 1 or len(baselines) > 1:
-            raise ValueError(f"{unit} ratio {ratio} seed {seed}: need exactly one default run and at most one "
-                             f"baseline run, got {len(defaults)} and {len(baselines)}")
-        default = DocStats.from_json(defaults[0]["docs"])
-        baseline = DocStats.from_json(baselines[0]["docs"]) if baselines else None
-        order = ["default", "baseline", *AXES]
-        for r in sorted(cell, key=lambda r: (order.index(r["axis"]), r[r["axis"]] if r["axis"] in AXES else 0)):
-            stats = DocStats.from_json(r["docs"])
-            row = {k: r[k] for k in ("unit", "ratio", "seed", "axis", "method", "rate", "iterations", "pairs")}
-            summary.append({**row, "edited_words_per_pair": r.get("edited_words_per_pair"),
-                            "seconds": r.get("seconds"), **metric_intervals(stats, seed, n_boot)})
-            if r["axis"] in AXES:
-                verdicts.append({**row, "value": r[r["axis"]], "vs": "default",
-                                 **kl_comparison(stats, default, seed, n_boot)})
-            if baseline is not None and r["axis"] != "baseline":
-                verdicts.append({**row, "value": r[r["axis"]] if r["axis"] in AXES else None,
-                                 "vs": baselines[0]["method"], **kl_comparison(stats, baseline, seed, n_boot)})
+            group.setdefault(tuple(r[k] for k in SETTING), []).append(r)
+        group = {k: v for k, v in group.items() if [r["seed"] for r in v] == seeds}
+        cell_summary, cell_verdicts = _compare(unit, ratio, "mean of " + ",".join(map(str, seeds)), group, n_boot, 0)
+        summary += cell_summary
+        verdicts += cell_verdicts
     return summary, verdicts
 
 
@@ -107,18 +146,20 @@ def tables(model: str, summary: list[dict], verdicts: list[dict], docs: int, hel
              "", f"One setting varied at a time off the default (rate {default.rate:g}, {default.iterations} iterations, "
              f"{default.pairs} pairs); 'vs default' is KL(ablated) - KL(default) on the same documents "
              "(better = lower KL than the default)" + (f"; 'vs {baseline}' is KL(row) - KL({baseline} at the default "
-                                                        "settings)." if baseline else "."), "",
-             f"| unit | ratio | ablated | method | rate | iterations | pairs | edited words / pair | KL(dense‖pruned) | "
+                                                        "settings)." if baseline else ".") + " Seed 'mean of ...': "
+             "the metric averaged over seeds (calibration draws), paired over the same documents.", "",
+             f"| unit | ratio | seed | ablated | method | rate | iterations | pairs | edited words / pair | KL(dense‖pruned) | "
              f"top-1 agreement | ppl / dense | vs default (KL diff, relative, verdict) | "
              f"vs {baseline or '-'} (KL diff, relative, verdict) | seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         perturbed = s["axis"] != "baseline"  # a baseline scores the original texts only: no rate, no edits
         words = f"{s['edited_words_per_pair']:.2f}" if perturbed and s.get("edited_words_per_pair") is not None else "-"
         seconds = f"{s['seconds']:.0f}" if s.get("seconds") is not None else ""
         rate = f"{s['rate']:g}" if perturbed else "-"
-        lines.append(f"| {s['unit']} | {s['ratio']:.1f} | {s['axis']} | {s['method']} | {rate} | {s['iterations']} | "
-                     f"{s['pairs']} | {words} | {ci(s['kl'])} | {ci(s['top1_agreement'])} | {ci(s['ppl_ratio'])} | "
+        lines.append(f"| {s['unit']} | {s['ratio']:.1f} | {s['seed']} | {s['axis']} | {s['method']} | {rate} | "
+                     f"{s['iterations']} | {s['pairs']} | {words} | {ci(s['kl'])} | {ci(s['top1_agreement'])} | "
+                     f"{ci(s['ppl_ratio'])} | "
                      f"{verdict(s, 'default')} | {verdict(s, baseline) if baseline else ''} | {seconds} |")
     return lines
 
@@ -148,7 +189,7 @@ def main() -> None:
     parser.add_argument("--default-iterations", type=int, default=2)
     parser.add_argument("--default-pairs", type=int, default=32)
     parser.add_argument("--ratio", type=float, default=0.2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma list; several seeds add verdicts pooled over seeds")
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--width-mode", default="uniform", choices=["uniform", "per_layer"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
@@ -180,29 +221,31 @@ def main() -> None:
                     done[record["key"]] = record["runs"]
     runs: dict[str, list[dict]] = {h: [] for h in sets}
     for unit in args.units.split(","):
-        for s in settings:
-            key = f"{s.key(unit)}|{args.ratio:g}|{args.seed}|{args.width_mode}|{args.max_length}"
-            if key not in done:
-                pairs, calib = calibration_pairs(args.model, s.pairs, args.seed, rate=s.rate)
-                options = schedule.ScoringOptions(s.method, unit, width_mode=args.width_mode)
-                measured = prune_and_measure(base, tokenizer, options, args.ratio, s.iterations, pairs, calib, args.seed,
-                                             sets, args.max_length, unit=unit, ratio=args.ratio, seed=args.seed,
-                                             **asdict(s), calibration_sha256=calibration_hash(calib),
-                                             edited_words_per_pair=edited_words(pairs))
-                done[key] = measured
-                if args.resume:
-                    with args.resume.open("a") as fh:
-                        fh.write(json.dumps({"key": key, "model": str(args.model), "runs": measured,
-                                             "digests": {h: d for h, (_, d) in sets.items()}}) + "\n")
-            for held, run in done[key].items():
-                runs[held].append(run)
-            first = next(iter(done[key].values()))
-            print({k: v for k, v in first.items() if k != "docs"}, flush=True)
+        for seed in _values(args.seeds, int):
+            for s in settings:
+                key = f"{s.key(unit)}|{args.ratio:g}|{seed}|{args.width_mode}|{args.max_length}"
+                if key not in done:
+                    pairs, calib = calibration_pairs(args.model, s.pairs, seed, rate=s.rate)
+                    options = schedule.ScoringOptions(s.method, unit, width_mode=args.width_mode)
+                    measured = prune_and_measure(base, tokenizer, options, args.ratio, s.iterations, pairs, calib, seed,
+                                                 sets, args.max_length, unit=unit, ratio=args.ratio, seed=seed,
+                                                 **asdict(s), calibration_sha256=calibration_hash(calib),
+                                                 edited_words_per_pair=edited_words(pairs))
+                    done[key] = measured
+                    if args.resume:
+                        with args.resume.open("a") as fh:
+                            fh.write(json.dumps({"key": key, "model": str(args.model), "runs": measured,
+                                                 "digests": {h: d for h, (_, d) in sets.items()}}) + "\n")
+                for held, run in done[key].items():
+                    runs[held].append(run)
+                first = next(iter(done[key].values()))
+                print({k: v for k, v in first.items() if k != "docs"}, flush=True)
     for n, (held, (texts, digest)) in enumerate(sets.items()):
         summary, verdicts = summarise(runs[held])
         meta = {"heldout": held, "heldout_sha256": digest, "documents": len(texts), "default": asdict(default),
                 "width_mode": args.width_mode, "align": schedule.ScoringOptions("pip", "width").align,
-                "wall_seconds": time.perf_counter() - started,
+                "wall_seconds": time.perf_counter() - started,  # runs reused from --resume cost nothing here
+                "run_seconds_total": sum(r["seconds"] for r in runs[list(sets)[-1]]),  # pruning + every held-out set
                 "bootstrap": {"n_boot": N_BOOT, "level": 0.95, "over": "held-out documents, paired"}}
         name = args.name if n == 0 else f"{args.name}_{Path(held).stem}"
         print(write(name, {"args": vars(args), **meta, "runs": runs[held], "summary": summary, "verdicts": verdicts},

@@ -63,6 +63,22 @@ def test_each_ablated_value_is_paired_with_the_default_of_its_own_unit():
     assert vs_taylor == {("default", None): "better", ("rate", 0.3): "better", ("pairs", 128): "better"}
 
 
+def test_several_seeds_add_verdicts_pooled_over_seeds():
+    gen = torch.Generator().manual_seed(1)
+    runs = []
+    for seed in (0, 1):
+        kl = 0.02 + 0.01 * torch.rand(N_DOCS, generator=gen, dtype=torch.float64)
+        for setting, factor in ((DEFAULT, 1.0), (Setting("pairs", "pip_l2", 0.15, 2, 128), 1.0 + 0.2 * seed)):
+            runs.append({**_run("width", setting, kl * factor), "seed": seed})
+    runs.append({**_run("width", Setting("rate", "pip_l2", 0.3, 2, 32), torch.full((N_DOCS,), 0.02)), "seed": 0})
+    summary, verdicts = summarise(runs, n_boot=200)
+    pooled = [v for v in verdicts if v["seed"] == "mean of 0,1"]
+    # seed 0: identical, seed 1: +20%: the pooled difference is the mean over seeds; rate 0.3 (seed 0 only) is not pooled
+    assert [(v["axis"], v["value"]) for v in pooled] == [("pairs", 128)]
+    assert pooled[0]["verdict"] == "worse" and pooled[0]["relative"] == pytest.approx(0.1, rel=0.05)
+    assert [s["axis"] for s in summary if s["seed"] == "mean of 0,1"] == ["default", "pairs"]
+
+
 def test_a_cell_without_its_default_run_is_refused():
     runs = [_run("width", Setting("rate", "pip_l2", 0.3, 2, 32), torch.full((N_DOCS,), 0.02, dtype=torch.float64))]
     with pytest.raises(ValueError, match="need exactly one default run"):
