@@ -68,6 +68,8 @@ bench: install data
 		--heldout persuasion,wordnet --resume $(STATE)/ablation-runs.jsonl
 	$(BIN)/python -m benchmarks.ablation --model $(REF_TINY) --axes rate,iterations,pairs --units block,width \
 		--seeds 0,1,2 --heldout persuasion,wordnet --resume $(STATE)/ablation-runs.jsonl --name ablation_seeds
+	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units width --ratios 0.2 --seeds 0,1,2 --iterations 1 \
+		--methods pip_l2,taylor --heldout persuasion,wordnet --name ablation_one_shot
 	$(BIN)/python -m benchmarks.quality
 	$(BIN)/python -m benchmarks.cost
 	$(BIN)/python -m benchmarks.overhead
