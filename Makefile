@@ -63,6 +63,13 @@ bench: install data
 		pip_l2,pip_first_order,magnitude,taylor,block_influence --heldout persuasion,wordnet --name divergence_block_seeds
 	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units width,block --ratios 0.2 --width-mode per_layer \
 		--methods pip_l2,pip_single_view --heldout persuasion,wordnet --name ablation_perturbation
+	rm -f $(STATE)/ablation-runs.jsonl
+	$(BIN)/python -m benchmarks.ablation --model $(REF_TINY) --axes rate,iterations,pairs --units block,width \
+		--heldout persuasion,wordnet --resume $(STATE)/ablation-runs.jsonl
+	$(BIN)/python -m benchmarks.ablation --model $(REF_TINY) --axes rate,iterations,pairs --units block,width \
+		--seeds 0,1,2 --heldout persuasion,wordnet --resume $(STATE)/ablation-runs.jsonl --name ablation_seeds
+	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units width --ratios 0.2 --seeds 0,1,2 --iterations 1 \
+		--methods pip_l2,taylor --heldout persuasion,wordnet --name ablation_one_shot
 	$(BIN)/python -m benchmarks.quality
 	$(BIN)/python -m benchmarks.cost
 	$(BIN)/python -m benchmarks.overhead

@@ -20,15 +20,18 @@ def environment() -> dict:
             "machine": platform.machine(), "when": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def calibration_pairs(model_dir: Path, n: int, seed: int) -> tuple[list[tuple[str, str]], list[str]]:
-    """(original, perturbed) pairs from the reference build's calibration data, as the pipeline makes them."""
+def calibration_pairs(model_dir: Path, n: int, seed: int, rate: float | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+    """(original, perturbed) pairs from the reference build's calibration data, as the pipeline makes them.
+
+    `rate`: fraction of words the perturber edits (None: the Perturber's default, the product's 0.15).
+    """
     from infra.calibration import load_calibration
     from pip_core.perturb import Perturber
     from pip_core.wordlist import WordList
 
     data = load_calibration(model_dir / "calibration" / "calibration.jsonl", n_samples=n, seed=seed)
     words = WordList.from_file(model_dir / "calibration" / "wordlist.txt")
-    result = Perturber(words, seed=seed).perturb_many(list(data["text"]))
+    result = Perturber(words, seed=seed, **({} if rate is None else {"rate": rate})).perturb_many(list(data["text"]))
     return [(p.original, p.perturbed) for p in result.pairs], list(data["text"])
 
 

@@ -62,9 +62,25 @@ def heldout_texts(model_dir: Path, which: str) -> tuple[list[str], str]:
     return texts, hashlib.sha256("\n\x00".join(texts).encode()).hexdigest()
 
 
+def metric_intervals(stats, seed: int, n_boot: int = N_BOOT) -> dict[str, dict]:  # noqa: ANN001 - DocStats
+    """95% bootstrap interval of KL, top-1 agreement and ppl ratio over the held-out documents."""
+    from pip_core import bootstrap
+
+    return {m: bootstrap.interval(stats, m, n_boot=n_boot, seed=seed).as_dict() for m in ("kl", "top1_agreement", "ppl_ratio")}
+
+
+def kl_comparison(a, b, seed: int = 0, n_boot: int = N_BOOT) -> dict:  # noqa: ANN001 - DocStats or lists of them
+    """Paired KL difference a - b over the same documents, relative to b, and its verdict for a."""
+    from pip_core import bootstrap
+
+    diff = bootstrap.paired_difference(a, b, "kl", n_boot=n_boot, seed=seed)
+    b_list = b if isinstance(b, list) else [b]
+    ref = sum(s.metrics()["kl"] for s in b_list) / len(b_list)
+    return {"kl_diff": diff.as_dict(), "relative": diff.point / ref, "verdict": bootstrap.verdict(diff)}
+
+
 def summarise(runs: list[dict], n_boot: int = N_BOOT) -> tuple[list[dict], list[dict]]:
     """Per (unit, ratio, method): KL/agreement/ppl-ratio intervals; per PIP form vs baseline: paired verdicts."""
-    from pip_core import bootstrap
     from pip_core.divergence import DocStats
 
     summary, verdicts = [], []
@@ -73,16 +89,12 @@ def summarise(runs: list[dict], n_boot: int = N_BOOT) -> tuple[list[dict], list[
         group = {r["method"]: DocStats.from_json(r["docs"]) for r in runs
                  if (r["unit"], r["ratio"], r["seed"]) == (unit, ratio, seed)}
         for method, stats in group.items():
-            row = {"unit": unit, "ratio": ratio, "seed": seed, "method": method}
-            for metric in ("kl", "top1_agreement", "ppl_ratio"):
-                row[metric] = bootstrap.interval(stats, metric, n_boot=n_boot, seed=seed).as_dict()
-            summary.append(row)
+            summary.append({"unit": unit, "ratio": ratio, "seed": seed, "method": method,
+                            **metric_intervals(stats, seed, n_boot)})
         for pip in [m for m in group if m.startswith("pip") and m not in BASELINES]:
             for base in [m for m in group if m in BASELINES]:
-                diff = bootstrap.paired_difference(group[pip], group[base], "kl", n_boot=n_boot, seed=seed)
                 verdicts.append({"unit": unit, "ratio": ratio, "seed": seed, "pip": pip, "baseline": base,
-                                 "kl_diff": diff.as_dict(), "relative": diff.point / group[base].metrics()["kl"],
-                                 "verdict": bootstrap.verdict(diff)})
+                                 **kl_comparison(group[pip], group[base], seed, n_boot)})
     for unit, ratio in sorted({(r["unit"], r["ratio"]) for r in runs}):
         cell = [r for r in runs if (r["unit"], r["ratio"]) == (unit, ratio)]
         seeds = sorted({r["seed"] for r in cell})
@@ -93,18 +105,41 @@ def summarise(runs: list[dict], n_boot: int = N_BOOT) -> tuple[list[dict], list[
             by_method.setdefault(r["method"], []).append(DocStats.from_json(r["docs"]))
         for pip in [m for m in by_method if m.startswith("pip") and m not in BASELINES]:
             for base in [m for m in by_method if m in BASELINES]:
-                diff = bootstrap.paired_difference(by_method[pip], by_method[base], "kl", n_boot=n_boot)
-                ref = sum(s.metrics()["kl"] for s in by_method[base]) / len(by_method[base])
                 verdicts.append({"unit": unit, "ratio": ratio, "seed": "mean of " + ",".join(map(str, seeds)),
-                                 "pip": pip, "baseline": base, "kl_diff": diff.as_dict(), "relative": diff.point / ref,
-                                 "verdict": bootstrap.verdict(diff)})
+                                 "pip": pip, "baseline": base, **kl_comparison(by_method[pip], by_method[base], 0, n_boot)})
     return summary, verdicts
 
 
-def tables(model: str, summary: list[dict], verdicts: list[dict], docs: int, heldout: str) -> list[str]:
-    def ci(d: dict) -> str:
-        return f"{d['point']:.4f} [{d['low']:.4f}, {d['high']:.4f}]"
+def prune_and_measure(base, tokenizer, options, ratio: float, iterations: int, pairs: list[tuple[str, str]],  # noqa: ANN001
+                      texts: list[str], seed: int, sets: dict[str, tuple[list[str], str]], max_length: int, /,
+                      **labels: object) -> dict[str, dict]:
+    """Prune a deep copy of `base` (schedule.prune_iteratively), then one run record per held-out set.
 
+    The arguments are positional only, so `labels` may reuse their names (ratio=, seed=). Each record
+    holds `labels`, the metrics, the per-document sums (`docs`), the pruning seconds and the seconds
+    since pruning began (pruning plus the held-out sets measured so far).
+    """
+    from pip_core import schedule
+    from pip_core.divergence import doc_stats
+
+    started = time.perf_counter()
+    model = copy.deepcopy(base)
+    result = schedule.prune_iteratively(model, tokenizer, options, ratio, iterations, pairs=pairs, texts=texts,
+                                        seed=seed, progress=False)
+    prune_seconds = time.perf_counter() - started
+    out = {}
+    for held, (held_texts, _) in sets.items():
+        stats = doc_stats(base, model, tokenizer, held_texts, max_length=max_length)
+        out[held] = {**labels, "heldout": held, "achieved_ratio": result.achieved_ratio, **stats.metrics(),
+                     "docs": stats.to_json(), "prune_seconds": prune_seconds, "seconds": time.perf_counter() - started}
+    return out
+
+
+def ci(d: dict) -> str:
+    return f"{d['point']:.4f} [{d['low']:.4f}, {d['high']:.4f}]"
+
+
+def tables(model: str, summary: list[dict], verdicts: list[dict], docs: int, heldout: str) -> list[str]:
     lines = [f"# KL to the dense model ({model}, {docs} held-out {heldout} documents, paired bootstrap 95%)", "",
              "| unit | ratio | seed | method | KL(dense‖pruned) | top-1 agreement | ppl / dense |",
              "|---|---|---|---|---|---|---|"]
@@ -139,7 +174,6 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     from pip_core import io, schedule
-    from pip_core.divergence import doc_stats
 
     base, tokenizer = io.load(args.model)
     sets = {h: heldout_texts(args.model, h) for h in args.heldout.split(",")}
@@ -152,16 +186,10 @@ def main() -> None:
                 for method in methods:
                     if method == "block_influence" and unit != "block":
                         continue
-                    started = time.perf_counter()
-                    model = copy.deepcopy(base)
                     options = schedule.ScoringOptions(method, unit, width_mode=args.width_mode)
-                    result = schedule.prune_iteratively(model, tokenizer, options, ratio, args.iterations,
-                                                        pairs=pairs, texts=calib, seed=seed, progress=False)
-                    for held, (texts, _) in sets.items():
-                        stats = doc_stats(base, model, tokenizer, texts, max_length=args.max_length)
-                        run = {"unit": unit, "ratio": ratio, "seed": seed, "method": method, "heldout": held,
-                               "achieved_ratio": result.achieved_ratio, **stats.metrics(), "docs": stats.to_json(),
-                               "seconds": time.perf_counter() - started}
+                    measured = prune_and_measure(base, tokenizer, options, ratio, args.iterations, pairs, calib, seed,
+                                                 sets, args.max_length, unit=unit, ratio=ratio, seed=seed, method=method)
+                    for held, run in measured.items():
                         runs[held].append(run)
                         print({k: v for k, v in run.items() if k != "docs"}, flush=True)
     for n, (held, (texts, digest)) in enumerate(sets.items()):

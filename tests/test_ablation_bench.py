@@ -1,0 +1,90 @@
+"""The ablation benchmark's bookkeeping: which runs it plans and which documents each verdict is paired with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.ablation import Setting, edited_words, plan, summarise
+from pip_core.divergence import DocStats
+
+DEFAULT = Setting("default", "pip_l2", 0.15, 2, 32)
+N_DOCS = 40
+
+
+def _docs(kl_per_token: torch.Tensor) -> dict:
+    tokens = torch.full((N_DOCS,), 100.0, dtype=torch.float64)
+    nll = torch.full((N_DOCS,), 300.0, dtype=torch.float64)
+    return DocStats(kl_per_token * tokens, tokens * 0.8, nll, nll + kl_per_token * tokens, tokens).to_json()
+
+
+def _run(unit: str, setting: Setting, kl: torch.Tensor) -> dict:
+    return {"unit": unit, "ratio": 0.2, "seed": 0, "axis": setting.axis, "method": setting.method, "rate": setting.rate,
+            "iterations": setting.iterations, "pairs": setting.pairs, "docs": _docs(kl)}
+
+
+def test_plan_varies_one_setting_at_a_time_and_reuses_the_default_run():
+    settings = plan(DEFAULT, {"rate": [0.05, 0.15, 0.3], "iterations": [1, 2, 5], "pairs": [32, 128]}, "taylor")
+    assert settings[0] == DEFAULT
+    assert settings[1] == Setting("baseline", "taylor", 0.15, 2, 32)
+    ablated = [(s.axis, s.rate, s.iterations, s.pairs) for s in settings[2:]]
+    assert ablated == [("rate", 0.05, 2, 32), ("rate", 0.3, 2, 32), ("iterations", 0.15, 1, 32),
+                       ("iterations", 0.15, 5, 32), ("pairs", 0.15, 2, 128)]
+    with pytest.raises(SystemExit, match="unknown ablation axis 'ratio'"):
+        plan(DEFAULT, {"ratio": [0.1]}, None)
+
+
+def test_each_ablated_value_is_paired_with_the_default_of_its_own_unit():
+    gen = torch.Generator().manual_seed(0)
+    block = 0.10 + 0.05 * torch.rand(N_DOCS, generator=gen, dtype=torch.float64)
+    width = 0.02 + 0.01 * torch.rand(N_DOCS, generator=gen, dtype=torch.float64)
+    runs = [
+        _run("block", DEFAULT, block),
+        _run("width", DEFAULT, width),
+        _run("block", Setting("baseline", "taylor", 0.15, 2, 32), block * 1.2),
+        # the same documents' KL as block's default: a difference of exactly 0 only if paired with block's default
+        _run("block", Setting("rate", "pip_l2", 0.3, 2, 32), block.clone()),
+        _run("block", Setting("pairs", "pip_l2", 0.15, 2, 128), block * 0.9),
+        _run("width", Setting("iterations", "pip_l2", 0.15, 5, 32), width * 1.1),
+    ]
+    summary, verdicts = summarise(runs, n_boot=200)
+    assert [(s["unit"], s["axis"]) for s in summary] == [
+        ("block", "default"), ("block", "baseline"), ("block", "rate"), ("block", "pairs"),
+        ("width", "default"), ("width", "iterations")]
+    vs_default = {(v["unit"], v["axis"], v["value"]): v for v in verdicts if v["vs"] == "default"}
+    assert set(vs_default) == {("block", "rate", 0.3), ("block", "pairs", 128), ("width", "iterations", 5)}
+    same = vs_default[("block", "rate", 0.3)]
+    assert same["kl_diff"] == {"point": 0.0, "low": 0.0, "high": 0.0} and same["verdict"] == "indistinguishable"
+    assert vs_default[("block", "pairs", 128)]["verdict"] == "better"
+    assert vs_default[("block", "pairs", 128)]["relative"] == pytest.approx(-0.1)
+    assert vs_default[("width", "iterations", 5)]["verdict"] == "worse"
+    vs_taylor = {(v["axis"], v["value"]): v["verdict"] for v in verdicts if v["vs"] == "taylor"}
+    # every block PIP run (default included) against Taylor; width has no baseline run, so no such verdict
+    assert vs_taylor == {("default", None): "better", ("rate", 0.3): "better", ("pairs", 128): "better"}
+
+
+def test_several_seeds_add_verdicts_pooled_over_seeds():
+    gen = torch.Generator().manual_seed(1)
+    runs = []
+    for seed in (0, 1):
+        kl = 0.02 + 0.01 * torch.rand(N_DOCS, generator=gen, dtype=torch.float64)
+        for setting, factor in ((DEFAULT, 1.0), (Setting("pairs", "pip_l2", 0.15, 2, 128), 1.0 + 0.2 * seed)):
+            runs.append({**_run("width", setting, kl * factor), "seed": seed})
+    runs.append({**_run("width", Setting("rate", "pip_l2", 0.3, 2, 32), torch.full((N_DOCS,), 0.02)), "seed": 0})
+    summary, verdicts = summarise(runs, n_boot=200)
+    pooled = [v for v in verdicts if v["seed"] == "mean of 0,1"]
+    # seed 0: identical, seed 1: +20%: the pooled difference is the mean over seeds; rate 0.3 (seed 0 only) is not pooled
+    assert [(v["axis"], v["value"]) for v in pooled] == [("pairs", 128)]
+    assert pooled[0]["verdict"] == "worse" and pooled[0]["relative"] == pytest.approx(0.1, rel=0.05)
+    assert [s["axis"] for s in summary if s["seed"] == "mean of 0,1"] == ["default", "pairs"]
+
+
+def test_a_cell_without_its_default_run_is_refused():
+    runs = [_run("width", Setting("rate", "pip_l2", 0.3, 2, 32), torch.full((N_DOCS,), 0.02, dtype=torch.float64))]
+    with pytest.raises(ValueError, match="need exactly one default run"):
+        summarise(runs, n_boot=50)
+
+
+def test_edited_words_counts_changed_words_per_pair():
+    pairs = [("the cat sat later", "the bat sat alter"), ("a host", "a ghost")]
+    assert edited_words(pairs) == pytest.approx((2 + 1) / 2)
