@@ -66,8 +66,13 @@ if ! "$PY" -c "import prefect, mlflow, boto3, pydantic_settings" 2>/dev/null; th
   echo "gpu_check: pipprune's dependencies are missing (see benchmarks/gpu_wheels.py); the compress-flow part will" \
     "report the error" >&2
 fi
-# optional fused loss kernel on CUDA (carried in the wheels); pip_core falls back to the chunked torch path without it
+# optional fused loss kernel on CUDA (carried in the wheels); pip_core falls back to the chunked torch path without it.
+# One that fails to import here (say, against the image's triton) is taken out of the carried site, not left to fail later.
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  "$PY" -c "import liger_kernel" 2>/dev/null || echo "gpu_check: liger-kernel not installed; the chunked torch loss is used" >&2
+  if ! err=$("$PY" -c "from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss" 2>&1)
+  then
+    echo "gpu_check: liger-kernel not usable (${err##*$'\n'}); the chunked torch loss is used" >&2
+    if [ -f "$STAMP" ]; then rm -rf "$SITE"/liger_kernel "$SITE"/liger_kernel-*.dist-info; fi
+  fi
 fi
 PYTHONUNBUFFERED=1 timeout 470 "$PY" -m benchmarks.gpu_check "$@"

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tomllib
+from packaging import tags
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
@@ -154,15 +155,24 @@ def _pip_download(specs: list[str], dest: Path, python_version: str) -> None:
     subprocess.run([*cmd, *specs], check=True)
 
 
+def supported_tags(python_version: str) -> set[tags.Tag]:
+    """The wheel tags a CPython of `python_version` on manylinux x86-64 installs."""
+    version = tuple(int(x) for x in python_version.split("."))
+    return {*tags.cpython_tags(version, platforms=PLATFORMS),
+            *tags.compatible_tags(version, f"cp{python_version.replace('.', '')}", platforms=PLATFORMS)}
+
+
 def download(pins: list[Pin], cache: Path, python_version: str) -> dict[str, Path]:
-    """One wheel per pin in `cache` (reused when already there)."""
+    """One wheel per pin in `cache` (reused when already there and installable on the target)."""
     cache.mkdir(parents=True, exist_ok=True)
+    supported = supported_tags(python_version)
 
     def present() -> dict[tuple[str, str], Path]:
         found: dict[tuple[str, str], Path] = {}
         for wheel in sorted(cache.glob("*.whl"), key=lambda p: p.stat().st_mtime):
-            name, version, _, _ = parse_wheel_filename(wheel.name)
-            found[(name, str(version))] = wheel
+            name, version, _, wheel_tags = parse_wheel_filename(wheel.name)
+            if wheel_tags & supported:
+                found[(name, str(version))] = wheel
         return found
 
     missing = [p.spec for p in pins if (p.name, p.version) not in present()]
