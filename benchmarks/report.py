@@ -120,6 +120,52 @@ def targets() -> list[str]:
         for r in inference["rows"]:
             lines.append(f"| inference gain >= 80% of ideal ({r.get('model', '')} {r['unit']}, batch {r['batch']}) | "
                          f"{r['fraction_of_ideal']:.0%} | {'met' if r['fraction_of_ideal'] >= 0.8 else 'missed'} |")
+    gpu = _load("gpu_check")
+    if gpu and gpu.get("vocab_128k_seq_512_bf16"):
+        peak = gpu["vocab_128k_seq_512_bf16"]["peak_over_weights_sliced"]
+        lines.append(f"| peak memory <= 2.5x weights ({gpu['device']}, h512-L8-v128k-s512, bf16) | {peak:.2f}x | "
+                     f"{'met' if peak <= 2.5 else 'missed'} |")
+    if gpu and gpu.get("compress_flow"):
+        flow = gpu["compress_flow"]
+        ok = flow.get("ok") and flow.get("out_dtype") == "bfloat16" and abs(flow["bytes_ratio"] - flow["params_ratio"]) < 0.01
+        shown = (f"{flow['device']}, {flow['out_dtype']} out, bytes x{flow['bytes_ratio']:.3f} = params "
+                 f"x{flow['params_ratio']:.3f}" if flow.get("ok") else "failed")
+        lines.append(f"| compress flow on the GPU: bf16 in, bf16 out, bytes shrink with parameters | {shown} | "
+                     f"{'met' if ok else 'missed'} |")
+    return lines + [""]
+
+
+def gpu_table(gpu: dict) -> list[str]:
+    """The lent GPU's figures (benchmarks/gpu_check.sh), from gpu_check.json."""
+    v = gpu.get("vocab_128k_seq_512_bf16", {})
+    parity = gpu.get("loss_parity", {})
+    flow = gpu.get("compress_flow", {})
+    lines = [f"# GPU check ({gpu['device']}, {gpu['dtype']}, {gpu['size']} random-init Llama, "
+             f"{gpu.get('params', 0) / 1e9:.2f}B parameters; `benchmarks/gpu_check.sh`, {gpu['environment']['when']})", "",
+             "| figure | value |", "|---|---|",
+             f"| PIP scoring, {gpu.get('pairs')} pairs | {gpu.get('scoring_tokens_per_s', 0):.0f} tokens/s |",
+             f"| peak GPU memory / weights while scoring | {gpu.get('peak_gpu_memory_over_weights', 0):.2f}x |"]
+    if v:
+        lines.append(f"| 128k vocabulary, seq 512: peak / weights, sliced loss vs whole logits | "
+                     f"{v['peak_over_weights_sliced']:.2f}x vs {v['peak_over_weights_whole_logits']:.2f}x |")
+    if parity.get("fused_available"):
+        lines.append(f"| fused loss (liger-kernel) vs chunked torch loss, PIP scores, max relative difference | "
+                     f"{parity['max_relative_difference']:.1e} |")
+    if flow:
+        lines.append("| `pipprune compress` (bf16 checkpoint, width 0.2, embedded stack) | " +
+                     (f"ok in {flow['seconds']:.0f} s on {flow['device']}, output {flow['out_dtype']}, bytes "
+                      f"x{flow['bytes_ratio']:.3f}, parameters x{flow['params_ratio']:.3f} |" if flow.get("ok")
+                      else f"failed: {flow.get('error') or flow.get('stderr_tail', '')[-200:]} |"))
+    if "generation_speedup" in gpu:
+        lines.append(f"| decode speedup, {gpu.get('generation_speedup_of', 'unaligned per-layer width cut')}, "
+                     f"removed {gpu['removed_ratio']:.2f} | {gpu['generation_speedup']:.2f}x |")
+    rows = gpu.get("serving_ratio_0.2") or []
+    if rows:
+        lines += ["", "| unit | align | achieved ratio | MLP width | KV heads | layers | decode x (b1) | decode x (b8) | "
+                      "ideal x |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['unit']} | {r['align'] or '-'} | {r['achieved_ratio']:.3f} | {r['mlp']} | {r['kv_heads']} | "
+                  f"{r['layers']} | {r['decode_speedup_b1']:.2f} | {r['decode_speedup_b8']:.2f} | {r['ideal_speedup']:.2f} |"
+                  for r in rows]
     return lines + [""]
 
 
@@ -274,6 +320,9 @@ def main() -> None:
     marker = "- **Width selection**"  # the ablation paragraph goes after the no-perturbation bullet
     notes = notes.replace(marker, ablations + marker, 1) if marker in notes else notes + "\n" + ablations
     parts = [HEADER, "\n".join(targets()), notes]
+    gpu = _load("gpu_check")
+    if gpu:
+        parts.append("\n".join(gpu_table(gpu)))
     for name in ORDER:
         path = RESULTS / f"{name}.md"
         if name in RENDERERS and (RESULTS / f"{name}.json").is_file():
