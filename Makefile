@@ -52,6 +52,9 @@ stack-down:
 bench: install data
 	$(BIN)/pipprune reference build --size small --out $(STATE)/reference/small
 	$(BIN)/pipprune reference build --size tiny --out $(REF_TINY)
+	$(BIN)/python -m benchmarks.divergence --model $(STATE)/reference/small --units block,width \
+		--methods pip_l2,random,magnitude,taylor,block_influence --heldout persuasion,wordnet --name divergence_small
+	$(BIN)/python -m benchmarks.width_mode --model $(STATE)/reference/small --ratios 0.2,0.3 --seeds 0,1 --limit 300
 	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --width-mode per_layer --heldout persuasion,wordnet
 	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units width,block --ratios 0.2 --seeds 0,1,2 \
 		--width-mode per_layer --heldout persuasion,wordnet --name divergence_seeds
@@ -74,6 +77,7 @@ bench: install data
 	$(BIN)/python -m benchmarks.cost
 	$(BIN)/python -m benchmarks.overhead
 	$(BIN)/python -m benchmarks.inference
+	$(BIN)/python -m benchmarks.serving --model $(STATE)/reference/small --name serving_small
 	$(BIN)/python -m benchmarks.recovery
 	$(BIN)/python -m benchmarks.recovery --compare --model $(REF_TINY)
 	$(BIN)/python -m benchmarks.report

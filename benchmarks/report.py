@@ -17,7 +17,7 @@ ORDER = ["divergence_small", "divergence_small_wordnet",
          "divergence_seeds_wordnet",
          "ablation_perturbation", "ablation_perturbation_wordnet", "ablation", "ablation_wordnet",
          "ablation_seeds", "ablation_seeds_wordnet", "ablation_one_shot", "ablation_one_shot_wordnet", "quality",
-         "peer", "cost", "overhead", "inference", "recovery", "recovery_compare", "serving"]
+         "peer", "cost", "overhead", "inference", "recovery", "recovery_compare", "serving", "serving_small", "width_mode"]
 #: tables re-rendered from their JSON here (name -> the benchmark's renderer), so they cannot drift from it
 RENDERERS = {"recovery_compare": ("benchmarks.recovery", "compare_table"),
              **{n: ("benchmarks.ablation", "render") for n in ("ablation", "ablation_wordnet", "ablation_seeds",

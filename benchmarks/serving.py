@@ -4,7 +4,7 @@ Block and uniform width pruning (PIP, 2 steps) at two ratios, width with MLP ali
 each planned by `pip_core.budget` and measured by `pip_core.serving.measure` (the code the compress
 flow's serving task runs) against the dense model on the same prompts.
 
-Usage: python -m benchmarks.serving [--model DIR] [--ratios 0.2,0.3]
+Usage: python -m benchmarks.serving [--model DIR] [--ratios 0.2,0.3] [--name serving]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _write(model_dir: Path, config: dict, args: argparse.Namespace, rows: list[d
                      f"{r['mlp']} | {r['kv_heads']} | {r['layers']} | {r['decode_speedup_b1']:.3f} | "
                      f"{r['decode_speedup_b8']:.3f} | {r['ideal_speedup']:.3f} | {r['fraction_of_ideal_b1']:.2f} | "
                      f"{r['kl_to_dense']:.4f} |")
-    return write("serving", {"model": str(model_dir), "rows": rows}, table)
+    return write(args.name, {"model": str(model_dir), "rows": rows}, table)
 
 
 def main() -> None:
@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--ratios", default="0.2,0.3")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--name", default="serving", help="results name (benchmarks/results/NAME.json + .md)")
     args = parser.parse_args()
     model_dir = args.model or default_model()
     config = json.loads((model_dir / "config.json").read_text())
