@@ -54,6 +54,9 @@ bench: install data
 	$(BIN)/pipprune reference build --size tiny --out $(REF_TINY)
 	$(BIN)/python -m benchmarks.divergence --model $(STATE)/reference/small --units block,width \
 		--methods pip_l2,random,magnitude,taylor,block_influence --heldout persuasion,wordnet --name divergence_small
+	$(BIN)/python -m benchmarks.divergence --model $(STATE)/reference/small --units block --ratios 0.1 --seeds 0,1,2 \
+		--methods pip_l2,random,magnitude,taylor,block_influence --heldout persuasion,wordnet \
+		--name divergence_small_block_seeds
 	$(BIN)/python -m benchmarks.width_mode --model $(STATE)/reference/small --ratios 0.2,0.3 --seeds 0,1 --limit 300
 	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --width-mode per_layer --heldout persuasion,wordnet
 	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units width,block --ratios 0.2 --seeds 0,1,2 \
