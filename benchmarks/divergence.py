@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--units", default="width,block")
     parser.add_argument("--methods", default=None, help="comma list; default: every method of the unit kind")
     parser.add_argument("--seeds", default="0")
-    parser.add_argument("--pairs", type=int, default=32)
+    parser.add_argument("--pairs", type=int, default=128, help="calibration pairs (128: the product default)")
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--width-mode", default="uniform", choices=["uniform", "per_layer"],

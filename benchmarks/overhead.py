@@ -30,7 +30,7 @@ def _default_model() -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--pairs", type=int, default=32, help="calibration pairs (default: the product's n_samples)")
+    parser.add_argument("--pairs", type=int, default=32, help="calibration pairs (32: a short job, where fixed costs weigh most)")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     model_dir = args.model or _default_model()

@@ -31,7 +31,7 @@ class CalibrationSettings(_Group):
     source: str = Field(description="calibration JSONL/TXT file, or a reference model dir")
     wordlist: str | None = Field(None, description="word list deciding real words for the perturber "
                                                    "(default: beside the calibration file)")
-    n_samples: int = Field(32, ge=1, le=100_000, description="calibration pairs scored per step")
+    n_samples: int = Field(128, ge=1, le=100_000, description="calibration pairs scored per step (128: the ablations)")
     heldout_samples: int = Field(16, ge=0, le=100_000, description="texts held out for the quick perplexity eval")
     max_length: int = Field(128, ge=2, le=32_768, description="tokens per text window (scoring and quick eval)")
     perturb_rate: float = Field(0.15, gt=0.0, le=1.0, description="fraction of words the perturber edits")
