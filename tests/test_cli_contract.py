@@ -32,6 +32,12 @@ def _registry(env: dict[str, str]) -> list[tuple[str, str]]:
                   for v in client.search_model_versions(f"name = '{m.name}'"))
 
 
+def _foreground_sigint() -> None:
+    """Ctrl-C as at a terminal: a shell starts background jobs (`make test &`, CI runners) with SIGINT ignored,
+    the child inherits that, and Python then installs no KeyboardInterrupt handler; a foreground run has it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _lean(ref: Path, name: str, *extra: str) -> list[str]:
     return ["compress", "--model", str(ref), "--calibration", str(ref), "--ratio", "0.2", "--iterations", "2",
             "--n-samples", "4", "--tasks", "pipprune_wordnet_cloze", "--include-path", str(ref / "tasks"),
@@ -198,7 +204,8 @@ def test_json_with_running_stack_then_out_and_overwrite(stack_env, tiny_referenc
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "pipprune.cli", *_lean(tiny_reference_dir, "cli-int", "--seed",
                                                                                "7", "--json")],
-                                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+                                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
+                                preexec_fn=_foreground_sigint)
         deadline = time.monotonic() + 400
         while "step 1/2" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
