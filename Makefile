@@ -57,6 +57,10 @@ bench: install data
 	$(BIN)/python -m benchmarks.divergence --model $(STATE)/reference/small --units block --ratios 0.1 --seeds 0,1,2 \
 		--methods pip_l2,random,magnitude,taylor,block_influence --heldout persuasion,wordnet \
 		--name divergence_small_block_seeds
+	$(BIN)/python -m benchmarks.divergence --model $(STATE)/reference/small --units block --ratios 0.2,0.3 --seeds 0,1,2 \
+		--methods pip_l2,taylor,block_influence --heldout persuasion,wordnet --name divergence_small_block_seeds_deep
+	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units block --ratios 0.2,0.3 \
+		--methods pip_l2,random,magnitude,taylor,block_influence --heldout persuasion,wordnet --name divergence_block
 	$(BIN)/python -m benchmarks.width_mode --model $(STATE)/reference/small --ratios 0.2,0.3 --seeds 0,1 --limit 300
 	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --width-mode per_layer --heldout persuasion,wordnet
 	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units width,block --ratios 0.2 --seeds 0,1,2 \
@@ -76,6 +80,9 @@ bench: install data
 		--seeds 0,1,2 --heldout persuasion,wordnet --resume $(STATE)/ablation-runs.jsonl --name ablation_seeds
 	$(BIN)/python -m benchmarks.divergence --model $(REF_TINY) --units width --ratios 0.2 --seeds 0,1,2 --iterations 1 \
 		--methods pip_l2,taylor --heldout persuasion,wordnet --name ablation_one_shot
+	rm -f $(STATE)/ablation-block-runs.jsonl
+	$(BIN)/python -m benchmarks.ablation --model $(REF_TINY) --axes rate,iterations,pairs --units block --ratio 0.1 \
+		--seeds 0,1,2 --heldout persuasion,wordnet --resume $(STATE)/ablation-block-runs.jsonl --name ablation_block_0.1
 	$(BIN)/python -m benchmarks.quality
 	$(BIN)/python -m benchmarks.cost
 	$(BIN)/python -m benchmarks.overhead
