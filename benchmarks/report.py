@@ -182,10 +182,11 @@ NOTES = """## What the KL tables say (figures in the tables below; verdicts in t
 - **Small reference (12 layers, 3.4M parameters, `divergence_small*`)**, at the product's default of
   128 calibration pairs: for width (uniform) PIP (`pip_l2`) is better than random, magnitude and
   Taylor at 0.1 / 0.2 / 0.3 on both held-out sets; for blocks it removes the same block as Taylor and
-  magnitude at 0.1 (three seeds), but at 0.2 / 0.3 Taylor or ShortGPT block influence remove a
-  better set (`divergence_small_block_seeds_deep*`: three seeds). At 32 pairs
+  magnitude at 0.1 (three seeds), but pooled over three seeds (`divergence_small_block_seeds_deep*`)
+  ShortGPT block influence removes a better set at 0.2 on Persuasion (better than Taylor there), and
+  both Taylor and block influence remove a better set at 0.3 on both held-out sets. At 32 pairs
   (`divergence_small_32pairs*`, kept from the first run; `make bench` does not rerun it) PIP's block
-  sets were better than or as good as every baseline's at every ratio. PIP's block ranking moves
+  sets were better than or as good as every baseline's at every ratio (seed 0). PIP's block ranking moves
   with the calibration sample more than the baselines' do: the issue's target (every cell, both
   references, one default) is not met by any pair count measured.
 - **Tiny reference (6 layers)**, the tables from `divergence_block` to `ablation_block_0.1`.
