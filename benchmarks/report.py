@@ -32,7 +32,7 @@ RENDERERS = {"recovery_compare": ("benchmarks.recovery", "compare_table"),
 
 HEADER = """# pipprune benchmarks
 
-All figures were measured on the project's 2-core CPU machine (no GPU); the JSON beside each table
+All figures were measured on the project's 2-core CPU machine (no GPU) except the "GPU check" section; the JSON beside each table
 holds every run, the environment and the arguments. Regenerate: `make bench` and `make bench-peer`
 (or each `python -m benchmarks.<name>`), then `python -m benchmarks.report`. Ratios are measured
 within one run because the machine is shared and noisy. `benchmarks/gpu_check.sh` is the GPU check
