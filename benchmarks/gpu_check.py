@@ -153,7 +153,8 @@ def serving_rows(tok, size: str, device: str, dtype: torch.dtype, ratio: float =
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pip_core import schedule, serving
+    from benchmarks.serving import speed_row
+    from pip_core import schedule
     from pip_core.budget import plan_budget
 
     torch.manual_seed(0)
@@ -169,15 +170,7 @@ def serving_rows(tok, size: str, device: str, dtype: torch.dtype, ratio: float =
         # random-init weights: the speed depends on the kept shapes only, so a gradient-free criterion picks them
         options = schedule.ScoringOptions("magnitude", unit, width_mode="uniform", align=plan.effective_align)
         schedule.prune_iteratively(pruned, tok, options, plan.ratio, 2, progress=False)
-        base = serving.measure(dense, tok, prompts, **measure)
-        got = serving.measure(pruned, tok, prompts, **measure)
-        cmp = serving.compare(base, got)
-        rows.append({"unit": unit, "align": align if unit != "block" else None, "target_ratio": ratio,
-                     "achieved_ratio": plan.achieved_ratio, "mlp": pruned.config.intermediate_size,
-                     "kv_heads": pruned.config.num_key_value_heads, "layers": pruned.config.num_hidden_layers,
-                     "decode_speedup_b1": cmp.per_batch[1], "decode_speedup_b8": cmp.per_batch[8],
-                     "ideal_speedup": cmp.ideal_speedup, "fraction_of_ideal_b1": cmp.fraction_of_ideal,
-                     "dense": base.as_dict(), "pruned": got.as_dict()})
+        rows.append(speed_row(dense, pruned, tok, prompts, measure, plan, unit, align, ratio))
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("dense", "pruned")}), flush=True)
         del pruned
     return rows

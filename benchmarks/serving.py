@@ -41,6 +41,23 @@ def kl_to_dense(dense, pruned, tokenizer, texts: list[str]) -> float:  # noqa: A
     return total / count
 
 
+def speed_row(dense, pruned, tokenizer, prompts: torch.Tensor, measure: dict, plan, unit: str, align: int,  # noqa: ANN001
+              ratio: float) -> dict:
+    """One table row: the planned cut's shapes and the pruned model's decode speed against the dense one's,
+    both measured now on the same prompts (dense beside each row, so both see the same machine noise)."""
+    from pip_core import serving
+
+    base = serving.measure(dense, tokenizer, prompts, **measure)
+    got = serving.measure(pruned, tokenizer, prompts, **measure)
+    cmp = serving.compare(base, got)
+    return {"unit": unit, "align": align if unit != "block" else None, "target_ratio": ratio,
+            "achieved_ratio": plan.achieved_ratio, "params_after": plan.params_after,
+            "mlp": pruned.config.intermediate_size, "kv_heads": pruned.config.num_key_value_heads,
+            "layers": pruned.config.num_hidden_layers, "decode_speedup_b1": cmp.per_batch[1],
+            "decode_speedup_b8": cmp.per_batch[8], "ideal_speedup": cmp.ideal_speedup,
+            "fraction_of_ideal_b1": cmp.fraction_of_ideal, "dense": base.as_dict(), "pruned": got.as_dict()}
+
+
 def _write(model_dir: Path, config: dict, args: argparse.Namespace, rows: list[dict]) -> Path:
     table = [f"# Serving speed of budgeted pruning ({model_dir.name}: {config['model_type']}, "
              f"intermediate {config['intermediate_size']}, CPU {torch.get_num_threads()} threads, "
@@ -86,17 +103,8 @@ def main() -> None:
             pruned, _ = io.load(model_dir)
             options = schedule.ScoringOptions("pip", unit, width_mode="uniform", align=plan.effective_align)
             schedule.prune_iteratively(pruned, tokenizer, options, plan.ratio, 2, pairs=pairs, progress=False)
-            base = serving.measure(dense, tokenizer, prompts, **measure)  # dense beside each, same noise
-            got = serving.measure(pruned, tokenizer, prompts, **measure)
-            cmp = serving.compare(base, got)
-            widths = {"mlp": pruned.config.intermediate_size, "kv_heads": pruned.config.num_key_value_heads,
-                      "layers": pruned.config.num_hidden_layers}
-            rows.append({"unit": unit, "align": align if unit != "block" else None, "target_ratio": ratio,
-                         "achieved_ratio": plan.achieved_ratio, "params_after": plan.params_after, **widths,
-                         "decode_speedup_b1": cmp.per_batch[1], "decode_speedup_b8": cmp.per_batch[8],
-                         "ideal_speedup": cmp.ideal_speedup, "fraction_of_ideal_b1": cmp.fraction_of_ideal,
-                         "kl_to_dense": kl_to_dense(dense, pruned, tokenizer, heldout),
-                         "dense": base.as_dict(), "pruned": got.as_dict()})
+            rows.append({**speed_row(dense, pruned, tokenizer, prompts, measure, plan, unit, align, ratio),
+                         "kl_to_dense": kl_to_dense(dense, pruned, tokenizer, heldout)})
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("dense", "pruned")}), flush=True)
             _write(model_dir, config, args, rows)  # after every row: a cut-short run still leaves its rows
     print(_write(model_dir, config, args, rows))

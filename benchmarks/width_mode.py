@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=2)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from benchmarks.divergence import heldout_texts
+    from benchmarks.divergence import N_BOOT, ci, heldout_texts
     from pip_core import bootstrap, io, schedule
     from pip_core.divergence import DocStats, doc_stats
 
@@ -68,10 +68,11 @@ def main() -> None:
                             "achieved_ratio": statistics.mean(r["achieved_ratio"] for r in sel),
                             "cloze_retained": statistics.mean(r["cloze_retained"] for r in sel),
                             "ppl_ratio": statistics.mean(r["ppl_ratio"] for r in sel),
-                            "kl": bootstrap.interval([DocStats.from_json(r["docs"]) for r in sel], "kl").as_dict()})
+                            "kl": bootstrap.interval([DocStats.from_json(r["docs"]) for r in sel], "kl",
+                                                     n_boot=N_BOOT).as_dict()})
         by_mode = {mode: [DocStats.from_json(r["docs"]) for r in sorted(rows, key=lambda r: r["seed"])
                           if r["ratio"] == ratio and r["mode"] == mode] for mode in MODES}
-        diff = bootstrap.paired_difference(by_mode["per_layer"], by_mode["uniform"], "kl")
+        diff = bootstrap.paired_difference(by_mode["per_layer"], by_mode["uniform"], "kl", n_boot=N_BOOT)
         summary[-1]["kl_diff_vs_uniform"] = {**diff.as_dict(), "verdict": bootstrap.verdict(diff)}
     table = [f"# Width mode: uniform vs per-layer ({args.model.name}, {args.method}, dense cloze acc "
              f"{dense['cloze_acc']:.3f}, word ppl {dense['word_perplexity']:.1f}, limit {args.limit})", "",
@@ -79,16 +80,13 @@ def main() -> None:
              "| KL(dense‖pruned), held-out | per-layer − uniform KL | per-layer vs uniform |",
              "|---|---|---|---|---|---|---|---|---|---|"]
 
-    def ci(d: dict) -> str:
-        return f"{d['point']:.4f} [{d['low']:.4f}, {d['high']:.4f}]"
-
     for s in summary:
         diff = s.get("kl_diff_vs_uniform")
         table.append(f"| {s['ratio']:.1f} | {s['mode']} | {s['seeds']} | {s['stock_config']} | {s['achieved_ratio']:.3f} | "
                      f"{s['cloze_retained']:.3f} | {s['ppl_ratio']:.2f} | {ci(s['kl'])} | "
                      f"{ci(diff) if diff else ''} | {diff['verdict'] if diff else ''} |")
     meta = {"heldout": "persuasion", "heldout_sha256": heldout_digest, "documents": len(heldout),
-            "bootstrap": {"n_boot": 2000, "level": 0.95, "over": "held-out documents, paired, pooled over seeds"}}
+            "bootstrap": {"n_boot": N_BOOT, "level": 0.95, "over": "held-out documents, paired, pooled over seeds"}}
     print(write("width_mode", {"dense": dense, "args": vars(args), **meta, "runs": rows, "summary": summary}, table))
 
 
