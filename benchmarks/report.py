@@ -259,7 +259,7 @@ def _ablation_verdict(result: dict, unit: str, axis: str, value: object, seed: o
 
 
 def block_01_note() -> str:
-    """Why block 0.1 on tiny is not won: does any PIP setting change the block it removes? (ablation_block_0.1*.json)"""
+    """Which PIP settings win block 0.1 on tiny, and whether they change the block removed (ablation_block_0.1*.json)."""
     sets = [r for r in (_load("ablation_block_0.1"), _load("ablation_block_0.1_wordnet")) if r]
     if not sets:
         return ""
@@ -270,6 +270,7 @@ def block_01_note() -> str:
     worse = sum(v["verdict"] == "worse" for v in pooled)
     same = all(n == 1 for n in distinct.values())
     settings = len({(x["rate"], x["iterations"], x["pairs"]) for x in pip})
+
     def label(v: dict) -> str:
         return "the default" if v["axis"] == "default" else f"{v['axis']} {v['value']}"
 
@@ -359,7 +360,7 @@ def ablation_notes() -> str:
         "calibration-draw variance, so a one-seed verdict on the rate or the pair count is not reliable. Against "
         f"Taylor, default PIP is {fig('default', None, vs='taylor')} pooled (by seed on Persuasion: "
         f"{per_seed('default', None, 'taylor')}); with 128 pairs it is {fig('pairs', 128, vs='taylor')}. "
-        + one_shot_text + " Not measured: a deeper reference (point 6) for blocks."
+        + one_shot_text + " Not measured: these ablations on the 12-layer small reference."
     )
     return textwrap.fill(text, width=110, subsequent_indent="  ", break_on_hyphens=False) + "\n"
 
