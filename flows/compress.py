@@ -14,6 +14,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows import records
+from flows.export import check_export, export_stage
 from flows.records import CompressSummary
 from infra.calibration import CalibrationSource
 from infra.config import CompressConfig
@@ -46,6 +47,7 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     """Prune `config.model` by `config.ratio` in re-scored steps; track, checkpoint, evaluate, register."""
     # 1. inputs: the source model and the calibration pairs, both content-addressed
     source = resolve_source(config.model)
+    check_export(config, source.model)  # export: a model GGUF cannot express is refused before any work
     budget = plan_budget(config, source)  # the target as a removal ratio and aligned widths, from config.json alone
     scoring = aligned(config.scoring, budget)
     source_digest = CalibrationSource(config.calibration.source, config.calibration.wordlist).digest()
@@ -91,6 +93,7 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
                                   final_eval.results, len(done), pre_recovery, out_dir)
         log_final(run_id, records.final_metrics(total, model, before, after, source_eval.results, final_eval.results),
                   summary.model_dump())
+        summary.exports = export_stage(config, version, model, source.model, run_id, calib)  # optional: GGUF children
         if out_dir:
             export(model, Path(out_dir), summary, overwrite)
         return summary

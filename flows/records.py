@@ -30,6 +30,8 @@ class CompressSummary(BaseModel):
     metrics_after: dict[str, float]
     iterations_resumed: int
     metrics_before_recovery: dict[str, float] | None = None
+    #: the GGUF child versions of the optional export stage (flows.export.ExportSummary as JSON)
+    exports: list[dict] = []
 
 
 def run_key_for(config: CompressConfig, source_fingerprint: str, calibration_hash: str, wordlist_hash: str) -> str:

@@ -141,7 +141,7 @@ def check_quant(quant: str) -> str:
     """The normalised quant name, or GgufExportError listing what can be produced."""
     name = quant.strip().lower()
     if name not in producible_quants():
-        raise GgufExportError(f"--quant {quant!r} is not a type the gguf package can produce here; choose one of "
+        raise GgufExportError(f"quantization type {quant!r} is not one the gguf package can produce here; choose one of "
                               f"{', '.join(producible_quants())}")
     return name
 
@@ -384,13 +384,17 @@ def check_readback_config(model_dir: Path, config: dict, fam: GgufFamily, vocab:
                               + "; ".join(differ))
 
 
-def check_exportable(model_dir: Path, quant: str = "f16") -> tuple[dict, GgufFamily, _Vocab]:
-    """Everything `write_gguf` refuses, checked before any tensor is read; returns (config, family, vocab)."""
+def check_exportable(model_dir: Path, quant: str = "f16", weights: bool = True) -> tuple[dict, GgufFamily, _Vocab]:
+    """Everything `write_gguf` refuses, checked before any tensor is read; returns (config, family, vocab).
+
+    Needs config.json and the tokenizer files only; `weights=False` skips looking for the safetensors (a caller
+    that checks a checkpoint from its small files before fetching the weights).
+    """
     model_dir = Path(model_dir)
     quant = check_quant(quant)
     config = _read_json(model_dir / "config.json")
     fam = family_of(config)
-    if not any(model_dir.glob("*.safetensors")):
+    if weights and not any(model_dir.glob("*.safetensors")):
         raise GgufExportError(f"{model_dir} has no *.safetensors weights (GGUF export reads safetensors)")
     n_vocab = int(config["vocab_size"])
     vocab = read_vocab(model_dir, n_vocab)
