@@ -148,24 +148,34 @@ def read_back(path: Path):  # noqa: ANN201 - (PreTrainedModel, tokenizer)
 
 @task(name="measure-gguf")
 def measure_gguf(gguf: GgufRef, parent: ModelRef, dense: ModelRef, heldout: str, max_length: int) -> dict[str, float]:
-    """The exported file's quality on held-out text, read back by transformers' GGUF loader.
-
-    final.*: the file against the dense model (KL, top-1 agreement, perplexity ratio, perplexity);
-    parent.*: the parent checkpoint on the same texts; gguf.kl_to_parent / top1_to_parent: what the type alone
-    changed; gguf.tokenizer_match: share of texts the file's own tokenizer encodes to the parent's ids.
-    """
-    from pip_core.divergence import doc_stats, encode, read_texts
+    """The exported file's quality on held-out text, read back by transformers' GGUF loader (see `gguf_quality`)."""
+    from pip_core.divergence import read_texts
     from tasks.models import load_model
 
-    texts = read_texts(Path(heldout))
     dense_net, tokenizer = load_model(dense, keep_slot=True, seq_len=max_length)
     parent_net, _ = load_model(parent, seq_len=max_length)
-    file_net, file_tok = read_back(Path(gguf.path))
+    out = gguf_quality(dense_net, parent_net, tokenizer, Path(gguf.path), read_texts(Path(heldout)), max_length)
+    out["gguf.size_bytes"] = float(gguf.info["size_bytes"])
+    log.info("GGUF %s: KL to dense %.4f (parent %.4f), top-1 %.3f, ppl ratio %.3f; tokenizer match %.2f",
+             gguf.quant, out["final.heldout_kl"], out["parent.heldout_kl"], out["final.heldout_top1_agreement"],
+             out["final.heldout_ppl_ratio"], out["gguf.tokenizer_match"])
+    return out
+
+
+def gguf_quality(dense_net, parent_net, tokenizer, path: Path, texts: list[str],  # noqa: ANN001
+                 max_length: int) -> dict[str, float]:
+    """final.*: the file (as transformers' GGUF loader rebuilds it) against the dense model: KL, top-1 agreement,
+    perplexity ratio, perplexity; parent.*: the parent checkpoint on the same texts; gguf.kl_to_parent /
+    top1_to_parent: what the weight type alone changed; gguf.tokenizer_match: share of texts the file's own
+    tokenizer encodes to the parent's ids."""
+    from pip_core.divergence import doc_stats, encode
+
+    file_net, file_tok = read_back(path)
     file_net.to(next(dense_net.parameters()).device)
     ours, theirs = encode(tokenizer, texts, max_length), encode(file_tok, texts, max_length)
     match = sum(a.tolist() == b.tolist() for a, b in zip(ours, theirs, strict=True)) / len(texts)
-    out: dict[str, float] = {"gguf.tokenizer_match": match, "gguf.size_bytes": float(gguf.info["size_bytes"]),
-                             "heldout.documents": float(len(texts))}
+    out: dict[str, float] = {"gguf.tokenizer_match": match, "heldout.documents": float(len(texts)),
+                             "heldout.max_length": float(max_length)}
     for prefix, net in (("final", file_net), ("parent", parent_net)):
         m = doc_stats(dense_net, net, tokenizer, texts, max_length=max_length).metrics()
         out.update({f"{prefix}.heldout_kl": m["kl"], f"{prefix}.heldout_top1_agreement": m["top1_agreement"],
@@ -173,10 +183,6 @@ def measure_gguf(gguf: GgufRef, parent: ModelRef, dense: ModelRef, heldout: str,
         out["source.heldout_perplexity"], out["heldout.tokens"] = m["ppl_dense"], m["tokens"]
     q = doc_stats(parent_net, file_net, tokenizer, texts, max_length=max_length).metrics()
     out.update({"gguf.kl_to_parent": q["kl"], "gguf.top1_to_parent": q["top1_agreement"]})
-    out["heldout.max_length"] = float(max_length)
-    log.info("GGUF %s: KL to dense %.4f (parent %.4f), top-1 %.3f, ppl ratio %.3f; tokenizer match %.2f",
-             gguf.quant, out["final.heldout_kl"], out["parent.heldout_kl"], out["final.heldout_top1_agreement"],
-             out["final.heldout_ppl_ratio"], match)
     return out
 
 
