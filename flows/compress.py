@@ -1,8 +1,9 @@
 """The compress flow: wiring only. Each box of the DAG is a task in `tasks`.
 
-plan budget -> calibrate -> for each step [score units -> select units -> prune -> checkpoint (S3) -> quick
-eval -> log] -> optional recovery, LoRA or KD (checkpointed as step N+1) -> evaluate (lm-eval) -> measure
-serving -> register.
+plan budget -> calibrate -> measure the dense model (held-out, lm-eval, serving, samples) -> for each step
+[score units -> select units -> prune -> quick eval -> checkpoint (S3) -> log] -> optional recovery, LoRA or KD
+(checkpointed as step N+1) -> measure the compressed model as the dense one was -> quality verdict -> sign ->
+register.
 """
 
 from __future__ import annotations
@@ -19,22 +20,31 @@ from flows.records import CompressSummary
 from infra.calibration import CalibrationSource
 from infra.config import CompressConfig
 from infra.locks import run_lock
-from infra.progress import StepProgress
+from infra.progress import StepProgress, stage
 from infra.settings import Settings
 from pip_core.schedule import plan, step_spec
 from tasks.budget import aligned, log_budget, plan_budget
 from tasks.calibration import prepare_calibration
 from tasks.evaluation import eval_provenance, evaluate, quick_eval, tasks_digest
-from tasks.models import resolve_source
+from tasks.models import placement_for, resolve_source
 from tasks.pruning import checkpoint, prune_step
 from tasks.recovery import recover
-from tasks.refs import CalibrationRef, ModelRef
+from tasks.refs import BudgetRef, ModelRef
 from tasks.registry import register_model
 from tasks.resume import find_resume_point
+from tasks.samples import generate_samples
 from tasks.scoring import score_units, select_units
-from tasks.serving import log_serving, measure_serving
+from tasks.serving import compare_serving, log_serving, measure_serving
 from tasks.signing import sign_checkpoint
-from tasks.tracking import log_datasets, log_eval_provenance, log_final, log_iteration, log_recovery, tracking_run
+from tasks.tracking import (
+    log_datasets,
+    log_eval_provenance,
+    log_final,
+    log_iteration,
+    log_recovery,
+    log_samples,
+    tracking_run,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,86 +59,111 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     source = resolve_source(config.model)
     check_export(config, source.model)  # export: a model GGUF cannot express is refused before any work
     budget = plan_budget(config, source)  # the target as a removal ratio and aligned widths, from config.json alone
-    scoring = aligned(config.scoring, budget)
     source_digest = CalibrationSource(config.calibration.source, config.calibration.wordlist).digest()
     calib = prepare_calibration(config.calibration, config.seed, source_digest)
     run_key = records.run_key_for(config, source.model.fingerprint, calib.data_hash, calib.wordlist_hash)
     lineage = records.lineage_tags(config, run_key, source, calib, str(flow_run.id))
-    max_length, total, rt = config.calibration.max_length, source.model.num_params, config.runtime
+    stage(f"inputs: {config.model}: {source.model.num_params:,} parameters; {calib.n_pairs} calibration pairs")
     with run_lock(Settings(), run_key), tracking_run(run_key, records.run_params(config, calib), lineage) as run_id:
         log_datasets(run_id, config.calibration.source, calib)
-        # 2. prune in re-scored steps; each is checkpointed to S3, and a rerun resumes after the last one
-        before = quick_eval(source.model, calib, max_length, rt, reference=source.model)
-        done = find_resume_point(run_key)
-        model, history = records.resumed_history(source.model, before, done[:config.scoring.iterations])
-        progress = StepProgress(config.scoring.iterations)
-        for i, cumulative in list(enumerate(plan(budget.ratio, config.scoring.iterations), start=1))[len(done):]:
-            spec = step_spec(i, cumulative, total, model.num_params, config.seed)
-            stats = score_units(model, calib, scoring, spec, max_length, rt)
-            selection = select_units(stats, scoring, spec)
-            pruned = prune_step(model, selection, rt)
-            metrics = records.step_metrics(quick_eval(pruned, calib, max_length, rt, reference=source.model), pruned,
-                                           total, selection, stats)
-            model = checkpoint(run_key, i, pruned, selection.table_path,
-                               records.step_record(i, selection, metrics, pruned, lineage))
-            history.append(records.history_row(i, model, metrics))
-            log_iteration(run_id, i, metrics, selection.table_path, list(selection.units), history)
-            progress.step(i, stats.n_units, len(selection.units), total, model.num_params)
-        # 3. optional recovery, then the final evaluation of both models and the registered version
+        run = records.RunContext(config, run_key, run_id, lineage, source, calib, source_digest)
+        # 2. the dense model, measured once while it is the model in hand (no copy of it is kept beside the pruned)
+        dense = _measure_dense(run)
+        # 3. prune in re-scored steps; each is checkpointed to S3, and a rerun resumes after the last one
+        model, history, done = _prune_steps(run, budget, dense.heldout)
+        # 4. optional recovery (LoRA or KD), checkpointed as step N+1
         pre_recovery = records.heldout(history[-1]) if config.recovery.enabled else None
-        model = _recovery_stage(config, run_key, run_id, lineage, model, calib, source_digest, done, history,
-                                source.model)
-        ev, content = config.evaluation, tasks_digest(config.evaluation.include_path)
-        final_eval = evaluate(model, ev.tasks, ev.include_path, content, ev.limit, rt)  # while it is in memory
-        source_eval = evaluate(source.model, ev.tasks, ev.include_path, content, ev.limit, rt)
-        after = records.heldout(history[-1])
-        serving = log_serving(run_id, measure_serving(source.model, model, calib, config.serving, rt))
-        provenance = eval_provenance(source.model, calib, max_length, final_eval, source_eval)  # what made each figure
-        log_eval_provenance(run_id, provenance)
-        signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3
-        version = register_model(config.registered_model_name, model, run_id,
-                                 {**records.version_tags(config, lineage, model, run_id, signature, provenance),
-                                  **log_budget(run_id, budget, model, total), **serving})
-        summary = records.summary(config, run_key, run_id, version, model, total, before, after, source_eval.results,
-                                  final_eval.results, len(done), pre_recovery, out_dir)
-        log_final(run_id, records.final_metrics(total, model, before, after, source_eval.results, final_eval.results),
-                  summary.model_dump())
-        summary.exports = export_stage(config, version, model, source.model, run_id, calib)  # optional: GGUF children
-        if out_dir:
-            export(model, Path(out_dir), summary, overwrite)
-        return summary
+        model = _recovery_stage(run, model, done, history)
+        # 5. the compressed model measured as the dense one was, judged, signed, registered
+        return _finish(run, model, budget, dense, history, records.Resumed(len(done), pre_recovery), out_dir, overwrite)
 
 
-def _recovery_stage(config: CompressConfig, run_key: str, run_id: str, lineage: dict[str, str], model: ModelRef,
-                    calib: CalibrationRef, source_digest: str, done: list[dict], history: list[dict],
-                    dense: ModelRef | None = None) -> ModelRef:
-    """Recovery (LoRA on the LM loss, or KD from `dense`) as checkpoint stage N+1 (resumed from S3 when that stage
-    already finished); off: `model`."""
+def _measure_dense(run: records.RunContext) -> records.DenseFigures:
+    """Held-out perplexity (and the dense log-probabilities later steps compare with), lm-eval, serving, samples."""
+    config, rt, ev = run.config, run.config.runtime, run.config.evaluation
+    before = quick_eval(run.source.model, run.calib, config.calibration.max_length, rt, reference=run.source.model)
+    lm_eval = evaluate(run.source.model, ev.tasks, ev.include_path, tasks_digest(ev.include_path), ev.limit, rt)
+    serving = measure_serving(run.source.model, run.calib, config.serving, rt)
+    samples = generate_samples(run.source.model, ev.prompts, ev.new_tokens, rt)
+    stage(f"dense model measured: {records.describe_figures(before, lm_eval.results)}")
+    return records.DenseFigures(heldout=before, lm_eval=lm_eval, serving=serving, samples=samples)
+
+
+def _prune_steps(run: records.RunContext, budget: BudgetRef,
+                 before: dict[str, float]) -> tuple[ModelRef, list[dict], list[dict]]:
+    """Score, select, prune, quick-eval, checkpoint and log each step not yet in S3."""
+    config, rt, max_length = run.config, run.config.runtime, run.config.calibration.max_length
+    scoring, total = aligned(config.scoring, budget), run.source.model.num_params
+    done = find_resume_point(run.run_key)
+    model, history = records.resumed_history(run.source.model, before, done[:config.scoring.iterations])
+    progress = StepProgress(config.scoring.iterations)
+    for i, cumulative in list(enumerate(plan(budget.ratio, config.scoring.iterations), start=1))[len(done):]:
+        spec = step_spec(i, cumulative, total, model.num_params, config.seed)
+        stats = score_units(model, run.calib, scoring, spec, max_length, rt)
+        selection = select_units(stats, scoring, spec)
+        pruned = prune_step(model, selection, rt)
+        quick = quick_eval(pruned, run.calib, max_length, rt, reference=run.source.model)
+        metrics = records.step_metrics(quick, pruned, total, selection, stats)
+        model = checkpoint(run.run_key, i, pruned, selection.table_path,
+                           records.step_record(i, selection, metrics, pruned, run.lineage))
+        history.append(records.history_row(i, model, metrics))
+        log_iteration(run.run_id, i, metrics, selection.table_path, list(selection.units), history)
+        progress.step(i, stats.n_units, len(selection.units), total, model.num_params)
+    return model, history, done
+
+
+def _recovery_stage(run: records.RunContext, model: ModelRef, done: list[dict], history: list[dict]) -> ModelRef:
+    """Recovery (LoRA on the LM loss, or KD from the dense model) as checkpoint stage N+1 (resumed from S3 when
+    that stage already finished); off: `model`."""
+    config = run.config
     if not config.recovery.enabled:
         return model
-    stage, total = config.scoring.iterations + 1, history[0]["num_params"]
-    if len(done) >= stage and done[stage - 1].get("stage") == "recovery":
-        recovered, metrics = records.resumed_step(done[stage - 1])
-        history.append(records.history_row(stage, recovered, metrics))
+    stage_no = config.scoring.iterations + 1
+    if len(done) >= stage_no and done[stage_no - 1].get("stage") == "recovery":
+        recovered, metrics = records.resumed_step(done[stage_no - 1])
+        history.append(records.history_row(stage_no, recovered, metrics))
         return recovered
+    stage(f"recovery: {config.recovery.kind}, {config.recovery.steps} steps")
     max_length, rt = config.calibration.max_length, config.runtime
-    teacher = dense if config.recovery.kind == "kd" else None  # distillation: the dense model teaches
-    result = recover(model, calib, config.calibration.source, source_digest, config.recovery, config.seed, max_length,
-                     rt, teacher)
-    metrics = {**quick_eval(result.model, calib, max_length, rt, reference=dense),
-               "num_params": float(result.model.num_params),
-               "achieved_ratio": records.removed_fraction(total, result.model.num_params),
-               "recovery_texts": float(result.n_texts), "recovery_first_loss": result.first_loss,
-               "recovery_last_loss": result.last_loss, "recovery_seconds": result.seconds,
-               "recovery_tokens": float(result.tokens)}
-    recovered = checkpoint(run_key, stage, result.model, None, {
-        "iteration": stage, "stage": "recovery", "units_removed": [], "metrics": metrics,
-        "recovery": config.recovery.model_dump(), "pruned_model_fingerprint": model.fingerprint,
-        "teacher_fingerprint": teacher.fingerprint if teacher else None,
-        "model": result.model.model_dump(), "lineage": lineage})
-    log_recovery(run_id, stage, metrics, list(result.losses), config.recovery.model_dump())
-    history.append(records.history_row(stage, recovered, metrics))
+    teacher = run.source.model if config.recovery.kind == "kd" else None  # distillation: the dense model teaches
+    result = recover(model, run.calib, config.calibration.source, run.source_digest, config.recovery, config.seed,
+                     max_length, rt, teacher)
+    quick = quick_eval(result.model, run.calib, max_length, rt, reference=run.source.model)
+    metrics = records.recovery_metrics(quick, result, history[0]["num_params"])
+    recovered = checkpoint(run.run_key, stage_no, result.model, None,
+                           records.recovery_record(stage_no, config, metrics, model, result, teacher, run.lineage))
+    log_recovery(run.run_id, stage_no, metrics, list(result.losses), config.recovery.model_dump())
+    history.append(records.history_row(stage_no, recovered, metrics))
     return recovered
+
+
+def _finish(run: records.RunContext, model: ModelRef, budget: BudgetRef, dense: records.DenseFigures,
+            history: list[dict], resumed: records.Resumed, out_dir: str | None, overwrite: bool) -> CompressSummary:
+    """lm-eval, serving and samples of the compressed model, the quality verdict, signature, version, summary."""
+    config, rt, ev = run.config, run.config.runtime, run.config.evaluation
+    final_eval = evaluate(model, ev.tasks, ev.include_path, tasks_digest(ev.include_path), ev.limit, rt)
+    serving = log_serving(run.run_id, compare_serving(dense.serving, measure_serving(model, run.calib, config.serving,
+                                                                                      rt)))
+    samples = log_samples(run.run_id, records.sample_rows(ev.prompts, dense.samples,
+                                                          generate_samples(model, ev.prompts, ev.new_tokens, rt)))
+    verdict = records.quality_verdict(ev, records.heldout(history[-1]))
+    provenance = eval_provenance(run.source.model, run.calib, config.calibration.max_length, final_eval, dense.lm_eval)
+    log_eval_provenance(run.run_id, provenance)
+    budget_tags = log_budget(run.run_id, budget, model, run.source.model.num_params)
+    memory = records.memory_figures(run.source.model.num_params, placement_for(run.source.model, rt).dtype)
+    signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3
+    version = register_model(config.registered_model_name, model, run.run_id, {
+        **records.version_tags(config, run.lineage, model, run.run_id, signature, provenance), **budget_tags,
+        **serving, **records.verdict_tags(verdict)})
+    summary = records.summary(run, version, model, history, dense, final_eval.results, resumed, out_dir,
+                              records.Judgement(verdict=verdict, samples=samples, memory=memory))
+    log_final(run.run_id, records.final_metrics(run.source.model.num_params, model, history, dense, final_eval.results,
+                                                memory), summary.model_dump())
+    stage(f"registered {config.registered_model_name} version {version}: {verdict['verdict']}")
+    summary.exports = export_stage(config, version, model, run.source.model, run.run_id, run.calib)  # optional: GGUF
+    if out_dir:
+        export(model, Path(out_dir), summary, overwrite)
+    return summary
 
 
 def export(model: ModelRef, out: Path, summary: CompressSummary, overwrite: bool = False) -> None:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel
 
-from infra.config import CompressConfig
+from infra.config import CompressConfig, EvaluationSettings
 from infra.version import code_digest, git_sha
 from tasks.refs import CalibrationRef, ModelRef, PrunePlan, SignatureRef, SourceRef, StatsRef
 
@@ -30,8 +33,58 @@ class CompressSummary(BaseModel):
     metrics_after: dict[str, float]
     iterations_resumed: int
     metrics_before_recovery: dict[str, float] | None = None
+    #: lm-eval tasks that ran on both models, and why those (or none)
+    tasks: list[str] = []
+    tasks_origin: str | None = None
+    #: quality gate on the held-out figures: {"verdict": "usable" | "not usable" | "not measured", "reasons": [...]}
+    quality: dict[str, Any] = {}
+    #: fixed prompts with the dense and the compressed model's greedy continuations
+    samples: list[dict[str, str]] = []
+    #: the process's peak resident memory over the run, and over the weights in the run's dtype
+    peak_rss_bytes: int | None = None
+    peak_rss_over_weights: float | None = None
+
     #: the GGUF child versions of the optional export stage (flows.export.ExportSummary as JSON)
     exports: list[dict] = []
+
+@dataclass(frozen=True)
+class RunContext:
+    """What every stage of one compress run shares: the job, its keys and tracking run, the inputs."""
+
+    config: CompressConfig
+    run_key: str
+    run_id: str
+    lineage: dict[str, str]
+    source: SourceRef
+    calib: CalibrationRef
+    source_digest: str
+
+
+@dataclass(frozen=True)
+class DenseFigures:
+    """The dense model's figures, measured once at the start of a run."""
+
+    heldout: dict[str, float]
+    lm_eval: Any  # tasks.evaluation.EvalResult
+    serving: dict
+    samples: list[str]
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Steps found complete in S3, and the held-out figures before recovery (when it ran)."""
+
+    steps: int
+    pre_recovery: dict[str, float] | None
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What a person needs to decide whether to use the output: the verdict, samples, what the run cost in memory."""
+
+    verdict: dict[str, Any]
+    samples: list[dict[str, str]]
+    memory: dict[str, float]
 
 
 def run_key_for(config: CompressConfig, source_fingerprint: str, calibration_hash: str, wordlist_hash: str) -> str:
@@ -58,7 +111,16 @@ def lineage_tags(config: CompressConfig, run_key: str, source: SourceRef, calib:
         "pipprune.code_digest": code_digest(),
         "pipprune.git_sha": git_sha(),
         "pipprune.prefect_flow_run_id": flow_run_id,
+        **gguf_tags(source.gguf),
     }
+
+
+def gguf_tags(record: dict | None) -> dict[str, str]:
+    """What a GGUF source was (its dequantized weights are the dense model): the file, its sha256, its types."""
+    if not record:
+        return {}
+    return {"pipprune.source_gguf_file": record["file"], "pipprune.source_gguf_path": record["path"],
+            "pipprune.source_gguf_sha256": record["sha256"], "pipprune.source_gguf_quant_types": record["quant_types"]}
 
 
 def run_params(config: CompressConfig, calib: CalibrationRef) -> dict:
@@ -105,12 +167,88 @@ def flatten_eval(prefix: str, results: dict[str, dict[str, float]]) -> dict[str,
     return {f"{prefix}.{task}.{metric}": value for task, metrics in results.items() for metric, value in metrics.items()}
 
 
-def final_metrics(total: int, model: ModelRef, before: dict[str, float], after: dict[str, float],
-                  source_eval: dict, final_eval: dict) -> dict[str, float]:
-    return {**flatten_eval("source", source_eval), **flatten_eval("final", final_eval),
+def final_metrics(total: int, model: ModelRef, history: list[dict], dense: DenseFigures, final_eval: dict,
+                  memory: dict[str, float]) -> dict[str, float]:
+    before, after = heldout(history[0]), heldout(history[-1])
+    return {**flatten_eval("source", dense.lm_eval.results), **flatten_eval("final", final_eval),
             **{f"source.{k}": v for k, v in before.items()}, **{f"final.{k}": v for k, v in after.items()},
             "final.num_params": float(model.num_params), "source.num_params": float(total),
-            "final.achieved_ratio": removed_fraction(total, model.num_params)}
+            "final.achieved_ratio": removed_fraction(total, model.num_params), **memory}
+
+
+def describe_figures(heldout_metrics: dict[str, float], lm_eval: dict[str, dict[str, float]]) -> str:
+    """One line of a model's figures for the console: held-out perplexity, KL, and each task's first metric."""
+    parts = [f"held-out perplexity {heldout_metrics['heldout_perplexity']:.4g}"] \
+        if "heldout_perplexity" in heldout_metrics else []
+    if heldout_metrics.get("heldout_kl"):
+        parts.append(f"KL to dense {heldout_metrics['heldout_kl']:.3f}")
+    for task, metrics in sorted(lm_eval.items()):
+        name, value = next(iter(sorted(metrics.items())), (None, None))
+        if name is not None:
+            parts.append(f"{task} {name} {value:.4g}")
+    return ", ".join(parts) or "no held-out texts and no lm-eval tasks"
+
+
+def recovery_metrics(quick: dict[str, float], result: Any, total: int) -> dict[str, float]:  # noqa: ANN401
+    """Step N+1's metrics: the quick eval after recovery plus what the recovery did (tasks.recovery.RecoveryResult)."""
+    return {**quick, "num_params": float(result.model.num_params),
+            "achieved_ratio": removed_fraction(total, result.model.num_params),
+            "recovery_texts": float(result.n_texts), "recovery_first_loss": result.first_loss,
+            "recovery_last_loss": result.last_loss, "recovery_seconds": result.seconds,
+            "recovery_tokens": float(result.tokens)}
+
+
+def recovery_record(stage: int, config: CompressConfig, metrics: dict[str, float], pruned: ModelRef,
+                    result: Any, teacher: ModelRef | None, lineage: dict[str, str]) -> dict:  # noqa: ANN401
+    """The checkpoint manifest's metadata for the recovery stage."""
+    return {"iteration": stage, "stage": "recovery", "units_removed": [], "metrics": metrics,
+            "recovery": config.recovery.model_dump(), "pruned_model_fingerprint": pruned.fingerprint,
+            "teacher_fingerprint": teacher.fingerprint if teacher else None,
+            "model": result.model.model_dump(), "lineage": lineage}
+
+
+def sample_rows(prompts: tuple[str, ...], dense: list[str], compressed: list[str]) -> list[dict[str, str]]:
+    return [{"prompt": p, "dense": d, "compressed": c} for p, d, c in zip(prompts, dense, compressed, strict=True)]
+
+
+def quality_verdict(gate: EvaluationSettings, after: dict[str, float]) -> dict[str, Any]:
+    """Usable or not, by the configured bounds on held-out KL and perplexity ratio to the dense model.
+
+    Said in words on the summary, tagged on the version, and a `not usable` version is refused
+    promotion: a compressed model that no longer models the language is never registered silently.
+    """
+    bounds = {"heldout_kl": (gate.max_kl, "KL to the dense model", "nats/token"),
+              "heldout_ppl_ratio": (gate.max_ppl_ratio, "perplexity ratio to the dense model", "x")}
+    reasons, unmeasured = [], []
+    for metric, (bound, what, unit) in bounds.items():
+        if bound is None:
+            continue
+        value = after.get(metric)
+        if value is None or not math.isfinite(value):
+            unmeasured.append(f"{what} not measured (no held-out texts)")
+        elif value > bound:
+            reasons.append(f"{what} {value:.3g} {unit} exceeds {bound:g}")
+    verdict = "not usable" if reasons else ("not measured" if unmeasured else "usable")
+    return {"verdict": verdict, "reasons": reasons + unmeasured, "max_kl": gate.max_kl,
+            "max_ppl_ratio": gate.max_ppl_ratio}
+
+
+def verdict_tags(verdict: dict[str, Any]) -> dict[str, str]:
+    return {"pipprune.quality.verdict": verdict["verdict"], "pipprune.quality.reasons": "; ".join(verdict["reasons"]),
+            "pipprune.quality.max_kl": str(verdict["max_kl"]), "pipprune.quality.max_ppl_ratio": str(verdict["max_ppl_ratio"])}
+
+
+def memory_figures(num_params: int, dtype: str) -> dict[str, float]:
+    """The process's peak resident memory so far (the kernel's own high-water mark), and over the weights."""
+    import resource
+    import sys
+
+    import torch
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    weights = num_params * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return {"run.peak_rss_bytes": float(peak), "run.weights_bytes": float(weights),
+            "run.peak_rss_over_weights": peak / weights}
 
 
 def version_tags(config: CompressConfig, lineage: dict[str, str], model: ModelRef, run_id: str,
@@ -138,13 +276,16 @@ def recovery_tags(config: CompressConfig) -> dict[str, str]:
     return {"pipprune.recovery_kind": r.kind, **(kd if r.kind == "kd" else {})}
 
 
-def summary(config: CompressConfig, run_key: str, run_id: str, version: str, model: ModelRef, total: int,
-            before: dict[str, float], after: dict[str, float], source_eval: dict, final_eval: dict,
-            resumed: int, pre_recovery: dict[str, float] | None, out_dir: str | None) -> CompressSummary:
+def summary(run: RunContext, version: str, model: ModelRef, history: list[dict], dense: DenseFigures,
+            final_eval: dict, resumed: Resumed, out_dir: str | None, judgement: Judgement) -> CompressSummary:
+    total, ev = run.source.model.num_params, run.config.evaluation
     return CompressSummary(
-        run_key=run_key, mlflow_run_id=run_id, registered_model=config.registered_model_name, model_version=version,
-        s3_uri=model.s3_uri or "", out_dir=out_dir, params_before=total, params_after=model.num_params,
-        achieved_ratio=removed_fraction(total, model.num_params),
-        metrics_before={**before, **flatten_eval("eval", source_eval)},
-        metrics_after={**after, **flatten_eval("eval", final_eval)}, iterations_resumed=resumed,
-        metrics_before_recovery=pre_recovery)
+        run_key=run.run_key, mlflow_run_id=run.run_id, registered_model=run.config.registered_model_name,
+        model_version=version, s3_uri=model.s3_uri or "", out_dir=out_dir, params_before=total,
+        params_after=model.num_params, achieved_ratio=removed_fraction(total, model.num_params),
+        metrics_before={**heldout(history[0]), **flatten_eval("eval", dense.lm_eval.results)},
+        metrics_after={**heldout(history[-1]), **flatten_eval("eval", final_eval)}, iterations_resumed=resumed.steps,
+        metrics_before_recovery=resumed.pre_recovery, tasks=list(ev.tasks), tasks_origin=ev.tasks_origin,
+        quality=judgement.verdict, samples=judgement.samples,
+        peak_rss_bytes=int(judgement.memory["run.peak_rss_bytes"]),
+        peak_rss_over_weights=judgement.memory["run.peak_rss_over_weights"])

@@ -75,6 +75,15 @@ class EvaluationSettings(_Group):
     tasks: tuple[str, ...] = Field((), description="lm-eval task names, comma separated")
     include_path: str | None = Field(None, description="directory of local lm-eval task YAMLs")
     limit: int | None = Field(None, ge=1, description="examples per lm-eval task (default: all)")
+    tasks_origin: str | None = Field(None, description="why these tasks run (set by the CLI when it picks them)")
+    prompts: tuple[str, ...] = Field(
+        ("The capital of France is", "To make a cup of tea, first", "The old man looked out of the window and"),
+        description="prompts whose greedy continuations by the dense and the compressed model the summary shows")
+    new_tokens: int = Field(24, ge=0, le=4096, description="tokens generated per prompt (0: no continuations)")
+    max_kl: float | None = Field(1.0, ge=0, description="quality gate: held-out KL to the dense model (nats per "
+                                 "token) above which the output is marked not usable and promotion is refused")
+    max_ppl_ratio: float | None = Field(2.0, ge=1, description="quality gate: held-out perplexity ratio to the dense "
+                                        "model above which the output is marked not usable")
 
     @field_validator("tasks", mode="before")
     @classmethod
@@ -178,7 +187,8 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "serve_context": ("serving", "context"), "serve_batch": ("serving", "batch"),
     "protect_first": ("scoring", "protect_first"), "protect_last": ("scoring", "protect_last"),
     "eval_tasks": ("evaluation", "tasks"), "eval_include_path": ("evaluation", "include_path"),
-    "eval_limit": ("evaluation", "limit"),
+    "eval_limit": ("evaluation", "limit"), "max_kl": ("evaluation", "max_kl"),
+    "max_ppl_ratio": ("evaluation", "max_ppl_ratio"),
     "device": ("runtime", "device"), "dtype": ("runtime", "dtype"),
 }
 

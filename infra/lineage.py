@@ -20,7 +20,8 @@ from infra.signing import SignatureCheck
 #: version tags that must equal the MLflow run's tags of the same name
 _CROSS_CHECKED = ("pipprune.run_key", "pipprune.source_model", "pipprune.source_fingerprint",
                   "pipprune.calibration_hash", "pipprune.wordlist_hash", "pipprune.config_digest",
-                  "pipprune.code_digest", "pipprune.git_sha", "pipprune.prefect_flow_run_id")
+                  "pipprune.code_digest", "pipprune.git_sha", "pipprune.prefect_flow_run_id",
+                  "pipprune.source_gguf_file", "pipprune.source_gguf_path", "pipprune.source_gguf_sha256", "pipprune.source_gguf_quant_types")
 
 
 class LineageError(ValueError):
@@ -62,6 +63,8 @@ class Lineage(BaseModel):
     #: a GGUF child version: its file and parent; the fields above are then the parent's chain (infra.gguf_store)
     export: ExportRecord | None = None
     parent_signature: SignatureCheck | None = None
+    #: a GGUF source: file, sha256, quant_types, and `checked` (re-hashed here) / `present` (found on this machine)
+    source_gguf: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -147,6 +150,7 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
         problems.extend(_check_mlflow_model(mv, tags, final, store))
     datasets = run_datasets(run)
     problems.extend(_check_datasets(datasets, tags))
+    source_gguf = _check_gguf_source(tags, problems)
     signature = verify_signature(tags, store) if verify_signature is not None else None
     if signature is not None:
         problems.extend(signature.problems)
@@ -157,7 +161,32 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
         code_digest=tags.get("pipprune.code_digest", ""), git_sha=tags.get("pipprune.git_sha", ""),
         prefect_flow_run_id=tags.get("pipprune.prefect_flow_run_id", ""), mlflow_run_id=run_id,
         final_s3_uri=tags.get("pipprune.s3_uri", ""), config=config, iterations=iterations, problems=problems,
-        datasets=datasets, logged_model_id=tags.get("pipprune.logged_model_id") or getattr(mv, "model_id", None))
+        datasets=datasets, logged_model_id=tags.get("pipprune.logged_model_id") or getattr(mv, "model_id", None),
+        source_gguf=source_gguf)
+
+
+def _check_gguf_source(tags: dict[str, str], problems: list[str]) -> dict[str, Any] | None:
+    """A GGUF source re-hashed where it still lies (the source_model path): its sha256 must be the recorded one.
+
+    Elsewhere (another machine) the file cannot be read and is reported as not checked, not as a mismatch.
+    """
+    from pathlib import Path
+
+    from infra.hashing import sha256_file
+
+    recorded = tags.get("pipprune.source_gguf_sha256")
+    if not recorded:
+        return None
+    path = Path(tags.get("pipprune.source_gguf_path") or tags.get("pipprune.source_model", ""))
+    info: dict[str, Any] = {"file": tags.get("pipprune.source_gguf_file"), "path": str(path), "sha256": recorded,
+                            "quant_types": tags.get("pipprune.source_gguf_quant_types"), "present": path.is_file(),
+                            "checked": False}
+    if path.is_file():
+        actual = sha256_file(path)
+        info["checked"] = actual == recorded
+        if actual != recorded:
+            problems.append(f"source GGUF {path}: sha256 {actual[:16]} != recorded {recorded[:16]} (the file changed)")
+    return info
 
 
 def run_datasets(run) -> dict[str, dict[str, str]]:  # noqa: ANN001

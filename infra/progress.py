@@ -15,6 +15,8 @@ from typing import Literal
 
 Mode = Literal["bar", "log", "off"]
 
+#: the logger of stage lines: what a person follows on the console (pipprune.commands.console shows it)
+CONSOLE_LOGGER = "pipprune.console"
 _BARS_OFF = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 
 
@@ -51,7 +53,15 @@ class StepProgress:
     def step(self, step: int, units_scored: int, units_removed: int, params_before: int, params_now: int) -> None:
         if current_mode() == "off":
             return
-        _logger().info(self.line(step, units_scored, units_removed, params_before, params_now))
+        line = self.line(step, units_scored, units_removed, params_before, params_now)
+        _logger().info(line)
+        logging.getLogger(CONSOLE_LOGGER).info(line)
+
+
+def stage(message: str) -> None:
+    """One line a person reads on the console: a stage of a run began or ended (silent with --quiet)."""
+    if current_mode() != "off":
+        logging.getLogger(CONSOLE_LOGGER).info(message)
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:

@@ -154,6 +154,17 @@ class PromotionOutcome(BaseModel):
     gates: list[GateResult]
 
 
+def quality_gate(tags: dict[str, str]) -> list[GateResult]:
+    """The run's own quality verdict (flows.records.quality_verdict): a version marked `not usable` never
+    moves an alias, whatever the gates file says. Versions registered before verdicts existed have none."""
+    verdict = tags.get("pipprune.quality.verdict")
+    if verdict is None:
+        return []
+    reasons = tags.get("pipprune.quality.reasons", "")
+    return [GateResult(gate="quality verdict", passed=verdict != "not usable", observed=float(verdict == "usable"),
+                       threshold=1.0, detail=f"{verdict}" + (f": {reasons}" if reasons else ""))]
+
+
 def signature_gate(check: SignatureCheck | None) -> GateResult:
     """The signature as a gate: passed only when it verified (None: nothing could check it)."""
     if check is None:
@@ -181,7 +192,7 @@ def promote(client, name: str, version: str, alias: str, gates: PromotionGates, 
     if not mv.run_id:
         raise PromotionError(f"{name} v{version} has no MLflow run to read metrics from")
     metrics = client.get_run(mv.run_id).data.metrics
-    results = evaluate_gates(gates, metrics)
+    results = [*quality_gate(dict(mv.tags)), *evaluate_gates(gates, metrics)]
     if gates.require_signature:
         results.append(signature_gate(verify_signature(dict(mv.tags)) if verify_signature else None))
     passed = all(r.passed for r in results)

@@ -79,32 +79,101 @@ def encode(tokenizer, texts: Sequence[str], max_length: int) -> list[torch.Tenso
     return out
 
 
+class CachedDense:
+    """The dense model's next-token log-probabilities on held-out documents, written once to disk.
+
+    A run compares every pruned step with the dense model; holding a second copy of the model in
+    memory for that doubles the run's peak. The log-probabilities (float32, exactly what the live
+    model gives) are read back one document at a time instead, and the token ids they were made
+    for are kept beside them, so a different tokenization is refused rather than compared.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        meta = json.loads((Path(folder) / "meta.json").read_text())
+        self.folder, self.vocab_size, self.ids = Path(folder), int(meta["vocab_size"]), meta["ids"]
+
+    @classmethod
+    def open(cls, folder: Path) -> CachedDense | None:
+        return cls(folder) if (Path(folder) / "meta.json").is_file() else None
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, dense: nn.Module, tokenizer, texts: Sequence[str], max_length: int,  # noqa: ANN001
+              folder: Path, chunk_tokens: int = 128) -> CachedDense:
+        """Write the cache into `folder` (via a private sibling renamed into place: never half-written)."""
+        import shutil
+        import tempfile
+
+        import numpy as np
+
+        folder = Path(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+        base, head, cap = _hidden_and_head(dense)
+        mode = dense.training
+        dense.eval()
+        try:
+            seqs = encode(tokenizer, texts, max_length)
+            for i, ids in enumerate(seqs):
+                hidden = base(input_ids=ids.unsqueeze(0).to(next(dense.parameters()).device)).last_hidden_state[0, :-1]
+                rows = [torch.log_softmax(_logits(head, hidden[s:s + chunk_tokens], cap), -1).cpu()
+                        for s in range(0, hidden.shape[0], chunk_tokens)]
+                np.save(tmp / f"doc-{i:05d}.npy", torch.cat(rows).numpy(), allow_pickle=False)
+            (tmp / "meta.json").write_text(json.dumps({"vocab_size": dense.config.vocab_size,
+                                                       "ids": [s.tolist() for s in seqs]}))
+            try:
+                tmp.rename(folder)
+            except OSError:  # another run wrote the same cache first
+                pass
+        finally:
+            dense.train(mode)
+            shutil.rmtree(tmp, ignore_errors=True)
+        return cls(folder)
+
+    def logprobs(self, i: int, ids: torch.Tensor) -> torch.Tensor:
+        """[tokens - 1, vocab] log-probabilities of document `i`, made for exactly these token ids."""
+        import numpy as np
+
+        if ids.tolist() != self.ids[i]:
+            raise PipCoreError(f"dense log-probability cache {self.folder} was made for other tokens of document {i}")
+        return torch.from_numpy(np.load(self.folder / f"doc-{i:05d}.npy", allow_pickle=False))
+
+
 @torch.no_grad()
-def doc_stats(dense: nn.Module, pruned: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN001
+def doc_stats(dense: nn.Module | CachedDense, pruned: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN001
               max_length: int = 256, chunk_tokens: int = 128) -> DocStats:
-    """Per-document KL(dense || pruned), top-1 agreements and both NLLs, summed over predicted tokens."""
+    """Per-document KL(dense || pruned), top-1 agreements and both NLLs, summed over predicted tokens.
+
+    `dense` is the dense model itself or its log-probabilities cached on disk (`CachedDense`).
+    """
     if chunk_tokens < 1:
         raise PipCoreError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    if dense.config.vocab_size != pruned.config.vocab_size:
-        raise PipCoreError(f"vocabularies differ: dense {dense.config.vocab_size}, pruned {pruned.config.vocab_size}")
+    cached = dense if isinstance(dense, CachedDense) else None
+    dense_vocab = cached.vocab_size if cached else dense.config.vocab_size
+    if dense_vocab != pruned.config.vocab_size:
+        raise PipCoreError(f"vocabularies differ: dense {dense_vocab}, pruned {pruned.config.vocab_size}")
     seqs = encode(tokenizer, texts, max_length)
-    parts = [(m, *_hidden_and_head(m)) for m in (dense, pruned)]
-    modes = [m.training for m in (dense, pruned)]
+    models = (pruned,) if cached else (dense, pruned)
+    parts = [(m, *_hidden_and_head(m)) for m in models]
+    modes = [m.training for m in models]
     rows: list[list[float]] = []
     try:
-        for m in (dense, pruned):
+        for m in models:
             m.eval()
-        for ids in seqs:
+        for i, ids in enumerate(seqs):
             hidden = []
             for model, base, _, _ in parts:
                 x = ids.unsqueeze(0).to(next(model.parameters()).device)
                 hidden.append(base(input_ids=x).last_hidden_state[0, :-1])
+            dense_logp = cached.logprobs(i, ids) if cached else None
             target = ids[1:]
             sums = torch.zeros(4, dtype=torch.float64)
             for start in range(0, target.numel(), chunk_tokens):
                 sl = slice(start, start + chunk_tokens)
-                logp_d = torch.log_softmax(_logits(parts[0][2], hidden[0][sl], parts[0][3]), -1)
-                logp_p = torch.log_softmax(_logits(parts[1][2], hidden[1][sl].to(hidden[0].device), parts[1][3]), -1)
+                *_, (_, _, head_p, cap_p) = parts
+                logp_p = torch.log_softmax(_logits(head_p, hidden[-1][sl], cap_p), -1)
+                logp_d = (dense_logp[sl].to(logp_p.device) if cached else
+                          torch.log_softmax(_logits(parts[0][2], hidden[0][sl], parts[0][3]), -1))
                 logp_p = logp_p.to(logp_d.device)
                 t = target[sl].to(logp_d.device).unsqueeze(-1)
                 sums += torch.stack([
@@ -115,13 +184,13 @@ def doc_stats(dense: nn.Module, pruned: nn.Module, tokenizer, texts: Sequence[st
                 ]).cpu()
             rows.append([*sums.tolist(), float(target.numel())])
     finally:
-        for m, mode in zip((dense, pruned), modes, strict=True):
+        for m, mode in zip(models, modes, strict=True):
             m.train(mode)
     cols = torch.tensor(rows, dtype=torch.float64).T
     return DocStats(*cols)
 
 
-def divergence(dense: nn.Module, pruned: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN001
+def divergence(dense: nn.Module | CachedDense, pruned: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN001
                max_length: int = 256, chunk_tokens: int = 128) -> dict[str, float]:
     """Mean per-token KL(dense || pruned), top-1 agreement and perplexity ratio (pruned / dense)."""
     return doc_stats(dense, pruned, tokenizer, texts, max_length, chunk_tokens).metrics()

@@ -7,9 +7,11 @@ registers those classes in-process and so never needs `trust_remote_code` for it
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -24,12 +26,15 @@ from pip_core.units import check_supported, param_count
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save_pruned", "load", "check_loadable", "check_weights", "check_tokenizer", "model_fingerprint",
+__all__ = ["save_pruned", "save_tokenizer", "load", "check_loadable", "check_weights", "check_tokenizer", "model_fingerprint",
            "param_count", "param_count_from_dir"]
 
 #: files that describe a run, not the model (left out of the fingerprint)
 _NOT_MODEL_FILES = {"pipprune_provenance.json"}
 MODELING_FILE = Path(modeling_pipprune.__file__)
+#: the files a tokenizer is kept in (whichever of them its directory has)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
 def register_classes() -> None:
@@ -76,8 +81,35 @@ def save_pruned(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out
     model.config = new_config
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+        save_tokenizer(tokenizer, out)
     return out
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> None:
+    """Write the tokenizer its source directory holds, byte for byte.
+
+    Why not `save_pretrained`: encoding with `truncation=True, max_length=N` (calibration, evaluation)
+    leaves that setting on a fast tokenizer's backend, and `save_pretrained` writes it into
+    tokenizer.json, where Rust servers and converters read it and cut every input to N tokens; the
+    bytes would also depend on what ran before the save, so two runs making the same step would
+    write different files under one content-addressed name. A tokenizer with no source directory
+    (built in memory) is saved from a copy with truncation and padding off.
+    """
+    out = Path(out_dir)
+    source = Path(tokenizer.name_or_path) if tokenizer.name_or_path else None
+    files = [source / name for name in TOKENIZER_FILES] if source is not None and source.is_dir() else []
+    files = [f for f in files if f.is_file()]
+    if any(f.name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json") for f in files):
+        if source.resolve() != out.resolve():
+            for path in files:
+                shutil.copyfile(path, out / path.name)
+        return
+    clean = copy.deepcopy(tokenizer)
+    backend = getattr(clean, "backend_tokenizer", None)
+    if backend is not None:
+        backend.no_truncation()
+        backend.no_padding()
+    clean.save_pretrained(out)
 
 
 def read_config(model_dir: str | Path) -> dict:

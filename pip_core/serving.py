@@ -46,6 +46,11 @@ class ServingStats:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> ServingStats:
+        """The inverse of `as_dict` (figures measured earlier in the run, passed on as JSON)."""
+        return cls(**{**data, "batches": tuple(BatchStats(**b) for b in data["batches"])})
+
 
 def matmul_params(model: nn.Module) -> int:
     """Weights a decoded token multiplies through: every Linear (a tied LM head counts: it is a matmul)."""

@@ -77,21 +77,33 @@ def compress(
     out: Optional[Path] = typer.Option(None, help="also copy the final model to this new or empty directory"),
     overwrite: bool = typer.Option(False, help="let --out replace a previous pipprune output (never anything else)"),
     json_out: bool = typer.Option(False, "--json", help="print the summary as one JSON document (logs: stderr)"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars and no per-step lines"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars and no per-stage lines"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="every log line on the terminal (default: one line "
+                                 "per stage, the rest in a log file whose path is printed)"),
+    max_kl: Optional[float] = typer.Option(None, help=config_help("evaluation.max_kl")),
+    max_ppl_ratio: Optional[float] = typer.Option(None, help=config_help("evaluation.max_ppl_ratio")),
     auto_stack: Optional[bool] = typer.Option(None, "--auto-stack/--no-auto-stack",
                                               help="start the embedded stack if it is down [default: "
                                                    "PIPPRUNE_AUTO_STACK, true]"),
 ) -> None:
-    """Prune a model with PIP (or a baseline) end to end: track, checkpoint, evaluate, register."""
-    from infra import progress
+    """Prune a model with PIP (or a baseline) end to end: track, checkpoint, evaluate, register.
 
-    progress.configure(progress.choose_mode(quiet, sys.stderr.isatty()))
-    with json_output(json_out) as doc:
+    --model takes a local Hugging Face directory, a GGUF file (llama.cpp / Ollama; dequantized once into the
+    cache) or a hub id.
+    """
+    from infra import progress
+    from infra.settings import Settings
+    from pipprune.commands.console import console_output, log_path_for
+
+    progress.configure(progress.choose_mode(quiet, sys.stderr.isatty() and verbose))
+    log_file = None if (json_out or verbose) else log_path_for(_home(), "compress")
+    with json_output(json_out) as doc, console_output(log_file) as console:
         cfg = _compress_config(model, config, calibration, include_path, tasks, dict(
             ratio=ratio, target=target, unit=unit, width_mode=width_mode, align=align, serve_context=serve_context,
             serve_batch=serve_batch, method=method, iterations=iterations,
             wordlist=wordlist, n_samples=n_samples, seed=seed, eval_limit=eval_limit, registered_model_name=name,
-            device=device, dtype=dtype, recovery=_recovery_options(recovery_steps, recovery)))
+            device=device, dtype=dtype, max_kl=max_kl, max_ppl_ratio=max_ppl_ratio,
+            recovery=_recovery_options(recovery_steps, recovery)))
         if recovery is not None and not cfg.recovery.enabled:
             fail(f"--recovery {recovery} needs recovery steps: add --recovery-steps N (or recovery.steps in the config)")
         out_dir = _check_out(out, overwrite)
@@ -101,7 +113,9 @@ def compress(
         if json_out:
             doc.emit({"ok": True, **summary.model_dump(mode="json")})
         else:
-            _print_summary(summary, settings)
+            from pipprune.commands.summary import print_summary
+
+            print_summary(summary, settings, console.out, Settings().home)
 
 
 def _recovery_options(steps: int | None, kind: str | None) -> dict | None:
@@ -126,11 +140,12 @@ def _compress_config(model: str, config: Path | None, calibration: str | None, i
         if not (local / "calibration" / "calibration.jsonl").is_file():
             fail("--calibration is required (a JSONL/TXT file of texts, or a reference model directory)")
         calibration = model
-    if include_path is None and tasks is None and (Path(model) / "tasks").is_dir():
-        include_path = str(Path(model) / "tasks")
-        tasks = ",".join(sorted(p.stem for p in Path(include_path).glob("*.yaml")))
+    tasks_origin = None
+    if include_path is None and tasks is None:
+        include_path, tasks, tasks_origin = _default_tasks(model, calibration, config)
     fields = dict(model=model, calibration=calibration, eval_tasks=tasks,
-                  eval_include_path=str(Path(include_path).resolve()) if include_path else None, **options)
+                  eval_include_path=str(Path(include_path).resolve()) if include_path else None,
+                  evaluation={"tasks_origin": tasks_origin} if tasks_origin else None, **options)
     try:
         if config is not None:
             return load_config_file(config, **fields)
@@ -138,6 +153,25 @@ def _compress_config(model: str, config: Path | None, calibration: str | None, i
     except (ValidationError, ValueError, FileNotFoundError) as exc:
         fail(("config: " if config is None else f"{config}: ") + validation_message(exc)
              if isinstance(exc, ValidationError) else validation_message(exc))
+
+
+def _default_tasks(model: str, calibration: str | None, config: Path | None) -> tuple[str | None, str | None, str]:
+    """The local lm-eval tasks a run gets when none are named, and why (shown in the summary).
+
+    A reference build's own tasks, else those of the reference build the calibration comes from:
+    any model, a GGUF file or a hub id included, is then measured on the same held-out tasks.
+    """
+    if config is not None:
+        return None, None, "as the config file says (no tasks there: none run)"
+    candidates = ((model, "the model is a pipprune reference build"),
+                  (calibration, "the calibration source is a pipprune reference build"))
+    for candidate, why in candidates:
+        folder = Path(candidate) / "tasks" if candidate else None
+        if folder is not None and folder.is_dir() and list(folder.glob("*.yaml")):
+            names = ",".join(sorted(p.stem for p in folder.glob("*.yaml")))
+            return str(folder), names, f"{why}: its local tasks in {folder}"
+    return None, None, ("none: no --tasks given, and neither the model nor the calibration source is a reference "
+                        "build with local tasks (pass --tasks and --include-path)")
 
 
 def _check_out(out: Path | None, overwrite: bool) -> str | None:
@@ -197,33 +231,16 @@ def _run_compress(cfg, out_dir: str | None, overwrite: bool):  # noqa: ANN001, A
         fail(f"compress failed: {type(exc).__name__}: {exc}", code=FAILED)
 
 
-def _print_summary(summary, settings) -> None:  # noqa: ANN001 - rich output only
-    from rich.console import Console
-    from rich.table import Table
+def _home() -> Path:
+    """PIPPRUNE_HOME as the settings read it (a bad value is reported later, with the other settings)."""
+    from pydantic import ValidationError
 
-    table = Table(title=f"pipprune compress: run {summary.run_key}")
-    table.add_column("")
-    table.add_column("before", justify="right")
-    table.add_column("after", justify="right")
-    table.add_row("parameters", f"{summary.params_before:,}", f"{summary.params_after:,}")
-    table.add_row("removed", "", f"{summary.achieved_ratio:.2%}")
-    for key in sorted(set(summary.metrics_before) | set(summary.metrics_after)):
-        b, a = summary.metrics_before.get(key), summary.metrics_after.get(key)
-        table.add_row(key, "" if b is None else f"{b:.4g}", "" if a is None else f"{a:.4g}")
-    console = Console()
-    console.print(table)
-    console.print(f"MLflow run: {summary.mlflow_run_id}  ({settings.mlflow_tracking_uri})")
-    console.print(f"Registered: {summary.registered_model} version {summary.model_version}")
-    console.print(f"S3 checkpoint: {summary.s3_uri}")
-    if summary.metrics_before_recovery:
-        ppl = summary.metrics_before_recovery.get("heldout_perplexity")
-        if ppl is not None:
-            console.print(f"recovery: held-out perplexity {ppl:.4g} before recovery, "
-                          f"{summary.metrics_after.get('heldout_perplexity', float('nan')):.4g} after")
-    if summary.iterations_resumed:
-        console.print(f"Resumed after {summary.iterations_resumed} completed iteration(s) found in S3")
-    if summary.out_dir:
-        console.print(f"Model copied to: {summary.out_dir}")
+    from infra.settings import Settings
+
+    try:
+        return Settings().home
+    except ValidationError:
+        return Path(".pipprune").resolve()
 
 
 @app.command("eval")
@@ -258,12 +275,11 @@ def eval_cmd(
         names = [t.strip() for t in tasks.split(",") if t.strip()]
         if not names and reference is None:
             fail("--tasks is empty (give --tasks, --reference, or both)")
-        if not Path(model).is_dir():
-            fail(f"model not found: {model} is not a directory")
+        model_dir, reference = _eval_model_dir(model), _eval_model_dir(reference) if reference else None
         from infra.preflight import PreflightError, check_eval_tasks, check_weights_intact
 
         try:
-            check_weights_intact(Path(model))
+            check_weights_intact(model_dir)
             if names:
                 check_eval_tasks(tuple(names), str(include_path) if include_path else None)
         except PreflightError as exc:
@@ -271,7 +287,7 @@ def eval_cmd(
         from infra.lmeval import run_lmeval_recorded
 
         try:
-            results, record = run_lmeval_recorded(Path(model), names, include_path=include_path, limit=limit,
+            results, record = run_lmeval_recorded(model_dir, names, include_path=include_path, limit=limit,
                                                   device=device, dtype=dtype) if names else ({}, None)
         except (ValueError, KeyError, FileNotFoundError) as exc:
             fail(f"evaluation failed: {exc}", code=FAILED)
@@ -280,7 +296,7 @@ def eval_cmd(
             from tasks.evaluation import reference_divergence
 
             try:
-                results["divergence"] = reference_divergence(Path(model), reference, heldout, device=device)
+                results["divergence"] = reference_divergence(model_dir, reference, heldout, device=device)
             except PipCoreError as exc:
                 fail(str(exc))
         from infra import eval_provenance
@@ -292,6 +308,21 @@ def eval_cmd(
         provenance = eval_provenance.build({"model": record} if record else {}, heldout)
         doc.emit({"ok": True, "model": model, "results": results,
                   "provenance": {**provenance, "sha256": eval_provenance.digest(provenance)}})
+
+
+def _eval_model_dir(model: str | Path) -> Path:
+    """A model directory, or a GGUF file's dequantized directory (made once, in the cache)."""
+    from infra.gguf_source import is_gguf
+    from infra.model_source import ModelNotFoundError, local_model_dir
+
+    if is_gguf(str(model)):
+        try:
+            return local_model_dir(str(model))
+        except ModelNotFoundError as exc:
+            fail(str(exc))
+    if not Path(model).is_dir():
+        fail(f"model not found: {model} is not a directory or a GGUF file")
+    return Path(model)
 
 
 @app.command("plan")
@@ -403,7 +434,20 @@ def _print_budget(plan) -> None:  # noqa: ANN001 - rich output only
 
 
 def _read_config(model: str) -> dict:
+    """config.json, a model directory's config, or a GGUF file's (from its header: no tensor is read)."""
+    from infra.gguf_source import GgufError, is_gguf
+
     path = Path(model)
+    if is_gguf(model):
+        from infra.model_source import gguf_source
+
+        try:
+            gguf_source(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns)  # refuses what cannot load
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(str(path.resolve().parent), gguf_file=path.name).to_dict()
+        except (GgufError, OSError) as exc:
+            fail(str(exc))
     if path.is_file():
         return json.loads(path.read_text())
     try:

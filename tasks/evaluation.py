@@ -12,9 +12,9 @@ from infra import eval_provenance as provenance
 from infra.config import RuntimeSettings
 from infra.hashing import sha256_file, tree_digest
 from pip_core import io as core_io
-from pip_core.divergence import divergence
+from pip_core.divergence import CachedDense, divergence
 from pip_core.perplexity import perplexity
-from tasks._common import key_from
+from tasks._common import content_key, key_from
 from tasks.calibration import read_heldout
 from tasks.models import ensure_local, load_model
 from tasks.refs import CalibrationRef, ModelRef
@@ -44,14 +44,33 @@ def divergence_metrics(reference: ModelRef | Path, net, tokenizer, texts: list[s
                        same: bool = False, runtime: RuntimeSettings | None = None) -> dict[str, float]:
     """heldout_kl (mean per-token KL(dense || model)), heldout_top1_agreement and heldout_ppl_ratio."""
     if same:
+        if isinstance(reference, ModelRef):  # the dense model is in hand now: keep its log-probabilities for later
+            dense_logprobs(reference, tokenizer, texts, max_length, runtime)
         return {"heldout_kl": 0.0, "heldout_top1_agreement": 1.0, "heldout_ppl_ratio": 1.0}
-    # read-only, from the hand-off's reference slot: the dense copy is read from disk once per run
     dense = (core_io.load(reference)[0] if isinstance(reference, Path)
-             else load_model(reference, runtime, keep_slot=True, seq_len=max_length)[0])
+             else dense_logprobs(reference, tokenizer, texts, max_length, runtime))
     m = divergence(dense, net, tokenizer, texts, max_length=max_length)
     log.info("quick eval: KL to dense %.4f, top-1 agreement %.3f, perplexity ratio %.3f", m["kl"],
              m["top1_agreement"], m["ppl_ratio"])
     return {"heldout_kl": m["kl"], "heldout_top1_agreement": m["top1_agreement"], "heldout_ppl_ratio": m["ppl_ratio"]}
+
+
+def dense_logprobs(reference: ModelRef, tokenizer, texts: list[str], max_length: int,  # noqa: ANN001
+                   runtime: RuntimeSettings | None = None) -> CachedDense:
+    """The dense model's held-out log-probabilities, on disk by content (model, texts, length).
+
+    Written while the dense model is the model in hand (the run's first quick eval), so no second
+    copy of it is ever kept beside the pruned one; a run resumed elsewhere reads it once to rebuild them.
+    """
+    from infra.settings import Settings
+
+    key = content_key(reference.fingerprint, texts, max_length)
+    folder = Settings().work_dir / "dense-logprobs" / key[:32]
+    cached = CachedDense.open(folder)
+    if cached is not None:
+        return cached
+    net, _ = load_model(reference, runtime, transient=True, seq_len=max_length)
+    return CachedDense.build(net, tokenizer, texts, max_length, folder)
 
 
 def reference_divergence(model_dir: Path, reference_dir: Path, heldout: Path | None,

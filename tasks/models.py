@@ -16,6 +16,7 @@ from typing import Any
 from prefect import task
 
 from infra.config import RuntimeSettings
+from infra.gguf_source import is_gguf, read_source_record
 from infra.model_source import ModelNotFoundError, local_model_dir  # noqa: F401 - re-exported
 from infra.settings import Settings
 from pip_core import io as core_io
@@ -36,7 +37,13 @@ def resolve_source(model_id: str) -> SourceRef:
     num_params = core_io.param_count_from_dir(local)
     log.info("source %s -> %s (%d params, fingerprint %s)", model_id, local, num_params, fingerprint[:12])
     return SourceRef(model_id=model_id, model=ModelRef(local_dir=str(local), fingerprint=fingerprint,
-                                                       num_params=num_params))
+                                                       num_params=num_params), gguf=_gguf_record(model_id, local))
+
+
+def _gguf_record(model_id: str, local: Path) -> dict | None:
+    """The GGUF record of a source given as a GGUF file, with where the file lies (for lineage to re-hash it)."""
+    record = read_source_record(local)
+    return {**record, "path": str(Path(model_id).expanduser().resolve())} if record and is_gguf(model_id) else None
 
 
 def ensure_local(ref: ModelRef, settings: Settings | None = None) -> Path:
@@ -84,6 +91,10 @@ class ModelHandoff:
                     return held[1], held[2]
             return None
 
+    def holds(self, role: str) -> bool:
+        with self._lock:
+            return role in self._slots
+
     def put(self, fingerprint: str, net: Any, tokenizer: Any, *, role: str = "working") -> None:  # noqa: ANN401
         with self._lock:
             self._slots[role] = (fingerprint, net, tokenizer)
@@ -107,7 +118,7 @@ def placement_for(ref: ModelRef, runtime: RuntimeSettings, seq_len: int = 128, l
 
 
 def load_model(ref: ModelRef, runtime: RuntimeSettings | None = None, *, for_update: bool = False,
-               seq_len: int = 128, keep_slot: bool = False) -> tuple[Any, Any]:
+               seq_len: int = 128, keep_slot: bool = False, transient: bool = False) -> tuple[Any, Any]:
     """(model, tokenizer) for `ref`: the object already in memory when its fingerprint matches, else from disk.
 
     Loaded in `runtime`'s dtype on its device (whole, or spread by device_map='auto' when it does
@@ -115,7 +126,9 @@ def load_model(ref: ModelRef, runtime: RuntimeSettings | None = None, *, for_upd
     copy is taken out of the hand-off until the task puts back what it produced. `keep_slot=True`
     is for read-only use beside the model in hand (the dense model's KL, evaluation and serving
     speed): a copy read from disk goes to the reference slot, never evicting the working model, and
-    only while memory holds a second copy.
+    only while memory holds a second copy. `transient=True` is for a one-off read that must not
+    keep a copy at all (the dense model's held-out log-probabilities): the object in hand when
+    there is one, else a copy read from disk that the caller drops.
     """
     held = HANDOFF.get(ref.fingerprint, take=for_update)
     if held is not None:
@@ -125,7 +138,11 @@ def load_model(ref: ModelRef, runtime: RuntimeSettings | None = None, *, for_upd
     net, tokenizer = core_io.load(ensure_local(ref), dtype=placement.dtype, device=placement.device,
                                   device_map=placement.device_map)
     log.info("loaded %s: %s", ref.fingerprint[:12], placement.describe())
-    if keep_slot:
+    if transient:
+        pass
+    elif keep_slot and not HANDOFF.holds("working"):  # nothing in hand to keep it beside: it is the model in hand
+        HANDOFF.put(ref.fingerprint, net, tokenizer)
+    elif keep_slot:
         if _room_for_another(ref, runtime, seq_len):
             HANDOFF.put(ref.fingerprint, net, tokenizer, role="reference")
         else:

@@ -26,6 +26,8 @@ class ModelRef(_Ref):
 class SourceRef(_Ref):
     model_id: str
     model: ModelRef
+    #: when the source is a GGUF file: its record (file, sha256, quant_types, ...; infra.gguf_source)
+    gguf: dict | None = None
 
 
 class CalibrationRef(_Ref):

@@ -1,6 +1,6 @@
 """measure_serving: dense and pruned serving speed in the same run, on the same prompts, logged to MLflow.
 
-Runs after evaluation and before registration, so the version's tags carry the speedup and
+The comparison is logged before registration, so the version's tags carry the speedup and
 promotion gates can require it (`decode_speedup: ">= 1.2"`).
 """
 
@@ -50,23 +50,34 @@ def _measure(model: ModelRef, ids, settings: ServingSettings, runtime: RuntimeSe
 
 
 @task(name="measure-serving")
-def measure_serving(dense: ModelRef, pruned: ModelRef, calib: CalibrationRef, settings: ServingSettings,
+def measure_serving(model: ModelRef, calib: CalibrationRef, settings: ServingSettings,
                     runtime: RuntimeSettings) -> dict:
-    """Both models' figures and their comparison ({} when measurement is off)."""
+    """One model's serving figures on the run's fixed prompts ({} when measurement is off).
+
+    The dense model is measured at the start of the run, while it is the model in hand, and the
+    compressed one at the end: the same prompts and settings, and never two models in memory.
+    """
     if not settings.measure:
         return {}
     backend = backend_for(settings)
-    _, tokenizer = load_model(pruned, runtime, keep_slot=True)
+    _, tokenizer = load_model(model, runtime, keep_slot=True)
     texts = read_heldout(calib) or [original for original, _ in read_pairs(calib)]
     ids = core_serving.prompt_ids(tokenizer, texts, settings.prompts, settings.prompt_tokens)
     started = time.perf_counter()
-    dense_stats = _measure(dense, ids, settings, runtime, backend)
-    pruned_stats = _measure(pruned, ids, settings, runtime, backend)
+    stats = _measure(model, ids, settings, runtime, backend)
+    log.info("serving (%s) of %s measured in %.1fs", backend, model.fingerprint[:12], time.perf_counter() - started)
+    return {"backend": backend, "stats": stats.as_dict()}
+
+
+def compare_serving(dense: dict, pruned: dict) -> dict:
+    """Both models' figures and their comparison, as `log_serving` records them ({} when not measured)."""
+    if not dense or not pruned:
+        return {}
+    dense_stats, pruned_stats = (core_serving.ServingStats.from_dict(m["stats"]) for m in (dense, pruned))
     comparison = core_serving.compare(dense_stats, pruned_stats)
-    log.info("serving (%s): decode speedup x%.3f (ideal x%.3f, %.0f%% of it) in %.1fs", backend,
-             comparison.decode_speedup, comparison.ideal_speedup, 100 * comparison.fraction_of_ideal,
-             time.perf_counter() - started)
-    return {"backend": backend, "dense": dense_stats.as_dict(), "pruned": pruned_stats.as_dict(),
+    log.info("serving (%s): decode speedup x%.3f (ideal x%.3f, %.0f%% of it)", pruned["backend"],
+             comparison.decode_speedup, comparison.ideal_speedup, 100 * comparison.fraction_of_ideal)
+    return {"backend": pruned["backend"], "dense": dense_stats.as_dict(), "pruned": pruned_stats.as_dict(),
             "metrics": {**comparison.metrics(), **core_serving.stats_metrics("serving.dense", dense_stats),
                         **core_serving.stats_metrics("serving.pruned", pruned_stats)}}
 

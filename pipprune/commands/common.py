@@ -44,7 +44,14 @@ def fail(message: str, code: int = BAD_INPUT) -> None:
 
 
 def print_error(message: str) -> None:
+    """On stderr; while the console is redirected to a log file (pipprune.commands.console), on the terminal too."""
+    from pipprune.commands.console import ACTIVE
+
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    for console in ACTIVE[-1:]:
+        sys.stderr.flush()
+        console.err.write(f"error: {message}\n")
+        console.err.flush()
 
 
 class JsonOut:

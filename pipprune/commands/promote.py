@@ -86,6 +86,12 @@ def _signature_verifier(settings, key: bytes | None):  # noqa: ANN001, ANN202
     return verify
 
 
+def _gguf_line(info: dict) -> str:
+    state = ("sha256 re-checked: matches" if info["checked"] else "sha256 differs") if info["present"] \
+        else "file not on this machine: not re-checked"
+    return f"{info['file']} sha256 {info['sha256']} ({info['quant_types']}; {state})"
+
+
 def _print_lineage(result) -> None:  # noqa: ANN001 - rich output only
     from rich.console import Console
     from rich.table import Table
@@ -98,6 +104,7 @@ def _print_lineage(result) -> None:  # noqa: ANN001 - rich output only
                          ("Prefect flow run", result.prefect_flow_run_id), ("MLflow run", result.mlflow_run_id),
                          ("final checkpoint", result.final_s3_uri), ("signature", _signature_line(result.signature)),
                          ("MLflow logged model", result.logged_model_id or "-"),
+                         *((("source GGUF", _gguf_line(result.source_gguf)),) if result.source_gguf else ()),
                          *((f"dataset {ctx} digest", f"{d['digest']} ({d['name']})")
                            for ctx, d in sorted(result.datasets.items()))]:
         head.add_row(label, value)

