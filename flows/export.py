@@ -10,7 +10,8 @@ from pathlib import Path
 
 from prefect import flow
 
-from infra.config import CompressConfig
+from flows import records
+from infra.config import CompressConfig, EvaluationSettings
 from tasks.export import (
     ExportSummary,
     ParentRef,
@@ -34,13 +35,16 @@ def linked_name(parent_name: str) -> str:
 
 
 def export_version(parent: ParentRef, quant: str, heldout: str, max_length: int,
-                   registered_name: str | None = None) -> ExportSummary:
-    """One type: write, measure against the dense model (read back by transformers), upload, sign, register."""
+                   registered_name: str | None = None, gate: EvaluationSettings = EvaluationSettings()) -> ExportSummary:
+    """One type: write, measure against the dense model (read back by transformers), judge by `gate`'s bounds (as
+    compress judges its output: a `not usable` file is refused promotion), upload, sign, register."""
     gguf = write_gguf_file(parent.model, quant, gguf_name(parent, quant))
     metrics = measure_gguf(gguf, parent.model, parent.dense, heldout, max_length)
+    verdict = records.quality_verdict(gate, {"heldout_kl": metrics["final.heldout_kl"],
+                                             "heldout_ppl_ratio": metrics["final.heldout_ppl_ratio"]})
     published = publish_gguf(gguf, parent, metrics)
     signature = sign_gguf(gguf, published)
-    tags = child_tags(parent, gguf, published, signature, heldout)
+    tags = {**child_tags(parent, gguf, published, signature, heldout), **records.verdict_tags(verdict)}
     name = registered_name or linked_name(parent.name)
     version, run_id = register_gguf(name, parent, tags, metrics, {
         "quant": quant, "parent": f"{parent.name}/{parent.version}", "heldout": heldout, "max_length": str(max_length),
@@ -48,7 +52,8 @@ def export_version(parent: ParentRef, quant: str, heldout: str, max_length: int,
     return ExportSummary(registered_model=name, model_version=version, parent=f"{parent.name} v{parent.version}",
                          quant=quant, file=published.file, sha256=published.sha256, size_bytes=published.size,
                          s3_uri=published.uri, signature_uri=signature.uri, mlflow_run_id=run_id,
-                         tensor_types=gguf.info["tensor_types"], fallbacks=gguf.info["fallbacks"], metrics=metrics)
+                         tensor_types=gguf.info["tensor_types"], fallbacks=gguf.info["fallbacks"], metrics=metrics,
+                         quality=verdict)
 
 
 @flow(name="export", persist_result=False)
@@ -78,5 +83,5 @@ def export_stage(config: CompressConfig, version: str, model: ModelRef, dense: M
             raise ValueError("export: no held-out texts to measure the GGUF file on (calibration.heldout_samples is 0 "
                              "and the source has no tasks/persuasion.jsonl)")
     parent = parent_of_run(config.registered_model_name, version, run_id, model, dense)
-    return [export_version(parent, quant, str(heldout), config.calibration.max_length,
-                           config.export.registered_model_name).model_dump(mode="json") for quant in config.export.quant]
+    return [export_version(parent, quant, str(heldout), config.calibration.max_length, config.export.registered_model_name,
+                           config.evaluation).model_dump(mode="json") for quant in config.export.quant]

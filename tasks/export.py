@@ -65,6 +65,8 @@ class ExportSummary(BaseModel):
     tensor_types: dict[str, int]
     fallbacks: list[str]
     metrics: dict[str, float]
+    #: the file's own quality verdict (flows.records.quality_verdict on its final.* figures)
+    quality: dict = {}
 
 
 def gguf_name(parent: ParentRef, quant: str) -> str:

@@ -59,6 +59,7 @@ def test_compress_export_stage_registers_a_measured_f16_child(compressed):
     assert m["gguf.tokenizer_match"] == 1.0
     assert m["gguf.kl_to_parent"] < 1e-3 and m["gguf.top1_to_parent"] > 0.99  # f16 barely moves the parent
     assert abs(m["final.heldout_kl"] - m["parent.heldout_kl"]) < 1e-2
+    assert child["quality"]["verdict"] == "usable"
 
 
 def test_export_cli_writes_a_q8_0_child_beside_its_parent(env, compressed, exported):
@@ -110,7 +111,7 @@ def test_promote_gates_the_gguf_on_its_own_measured_quality(env, exported, tmp_p
                                      "metric_bounds": {"final.heldout_kl": "<= 1.0", "gguf.tokenizer_match": ">= 1"}}))
     done = cli(env, "promote", CHILD, "--version", exported["model_version"], "--alias", "champion", "--gates", str(gates))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "PASS signature" in done.stdout and "FAIL" not in done.stdout
+    assert "PASS signature" in done.stdout and "PASS quality verdict" in done.stdout and "FAIL" not in done.stdout
     strict = tmp_path / "strict.yaml"
     strict.write_text(yaml.safe_dump({"metric_bounds": {"final.heldout_kl": "<= 0"}}))
     done = cli(env, "promote", CHILD, "--version", exported["model_version"], "--alias", "edge", "--gates", str(strict))
