@@ -219,7 +219,7 @@ def _pre_tokenizer_name(pre: dict | None) -> str:
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     kinds = [s.get("type") for s in steps]
     if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's name (its loader refuses "gpt2")
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
         return "smollm"
     if kinds[:1] == ["Split"] and kinds[-1] == "ByteLevel":
@@ -228,7 +228,7 @@ def _pre_tokenizer_name(pre: dict | None) -> str:
             return "qwen2"
         if regex.startswith(_LLAMA3_SPLIT_HEAD):
             return "llama-bpe"
-    raise GgufExportError(f"tokenizer.json pre-tokenizer {kinds} is not one llama.cpp names (gpt2, smollm, qwen2, "
+    raise GgufExportError(f"tokenizer.json pre-tokenizer {kinds} is not one llama.cpp names (gpt-2, smollm, qwen2, "
                           "llama-bpe): the GGUF file would split text differently from the model")
 
 

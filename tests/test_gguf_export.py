@@ -195,7 +195,7 @@ def test_the_file_states_what_llama_cpp_reads(reference_copy):
                 "attention.head_count_kv": config["num_key_value_heads"],
                 "rope.dimension_count": config["hidden_size"] // config["num_attention_heads"]}
     assert {k: fields[f"llama.{k}"] for k in expected} == expected
-    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt2"
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
     assert len(fields["tokenizer.ggml.tokens"]) == config["vocab_size"] and fields["tokenizer.ggml.merges"]
     assert fields["tokenizer.ggml.bos_token_id"] == config["bos_token_id"] and fields["tokenizer.ggml.add_bos_token"]
     assert "output.weight" not in {t.name for t in reader.tensors}  # tied to token_embd
