@@ -32,16 +32,11 @@ def _continuations_agree(a: list[int], b: list[int]) -> int:
     return n
 
 
-def open_file(entry: dict, threads: int):  # noqa: ANN201 - (Llama, transformers model, tokenizer)
+def open_file(entry: dict, threads: int):  # noqa: ANN201 - llama_cpp.Llama (the file is memory-mapped)
     from llama_cpp import Llama
-    from transformers import AutoTokenizer
 
-    from tasks.export import read_back
-
-    path = Path(entry["path"])
-    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512, seed=0,
-                logits_all=True, verbose=False)
-    return llm, read_back(path)[0], AutoTokenizer.from_pretrained(entry["parent_dir"])
+    return Llama(model_path=entry["path"], n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                 seed=0, logits_all=True, verbose=False)
 
 
 def greedy(llm, ids: list[int], new_tokens: int) -> list[int]:  # noqa: ANN001
@@ -63,12 +58,15 @@ def hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:  # noqa: ANN001
     return seq
 
 
-def compare_file(entry: dict, opened, prompts: list[str], new_tokens: int) -> dict:  # noqa: ANN001
+def compare_file(entry: dict, llm, prompts: list[str], new_tokens: int) -> dict:  # noqa: ANN001
     """llama.cpp against transformers on the same weights: tokenizer, next-token logits on the same tokens (teacher
     forced on transformers' greedy continuation), and free-running greedy continuations."""
     import numpy as np
+    from transformers import AutoTokenizer
 
-    llm, hf, tok = opened
+    from tasks.export import read_back
+
+    hf, tok = read_back(Path(entry["path"]))[0], AutoTokenizer.from_pretrained(entry["parent_dir"])
     tokenizer_equal, shared, exact, top1, max_diff, margins = 0, [], 0, [], [], []
     for text in prompts:
         ids = tok(text)["input_ids"]
@@ -103,7 +101,7 @@ def decode_speed(opened: dict, prompt_ids: list[list[int]], new_tokens: int, rou
     files alike (the time between the first and the last generated token)."""
     speeds: dict[str, list[float]] = {name: [] for name in opened}
     for _ in range(rounds):
-        for name, (llm, _, _) in opened.items():
+        for name, llm in opened.items():
             for ids in prompt_ids:
                 stamps = []
                 for _token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
@@ -140,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [t[: args.prompt_chars] for t in texts[: args.prompts]]
     opened = {entry["path"]: open_file(entry, args.threads) for entry in files}
     rows = [compare_file(entry, opened[entry["path"]], prompts, args.new_tokens) for entry in files]
-    first = next(iter(opened.values()))[2]
+    from transformers import AutoTokenizer
+
+    first = AutoTokenizer.from_pretrained(files[0]["parent_dir"])
     speed = decode_speed(opened, [first(p)["input_ids"] for p in prompts[:3]], args.speed_tokens, args.rounds)
     for entry, row in zip(files, rows, strict=True):
         row["decode_tokens_per_s"], row["threads"] = speed[entry["path"]], args.threads
