@@ -439,6 +439,8 @@ def _read_config(model: str) -> dict:
     if is_gguf(model):
         from infra.model_source import gguf_source
 
+        if not path.is_file():
+            fail(f"model not found: GGUF file {path} does not exist")
         try:
             gguf_source(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns)  # refuses what cannot load
             from transformers import AutoConfig

@@ -84,7 +84,7 @@ def test_architectures_that_cannot_be_read_or_pruned_are_refused_naming_them(tmp
         inspect_gguf(not_gguf)
 
 
-def test_plan_reads_a_gguf_header_and_eval_dequantizes_it(gguf_files, tmp_path):
+def test_plan_reads_only_a_gguf_header_and_refuses_a_missing_file(gguf_files, tmp_path):
     import os
     import subprocess
     import sys
