@@ -15,7 +15,7 @@ DEMO_PAIRS ?= 32
 DEMO_EVAL_LIMIT ?= 200
 DEMO_RECOVERY ?= --recovery-steps 12 --recovery kd
 
-.PHONY: install data lint demo test stack-down clean-state bench bench-serving peer-venv bench-peer docs-screenshots
+.PHONY: install data lint demo test test-fast stack-down clean-state bench bench-serving peer-venv bench-peer docs-screenshots
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,10 @@ lint: install
 
 test: install data lint
 	$(BIN)/python -m pytest -q -x --timeout=900 --durations=25
+
+# The inner loop: pure unit tests (no servers, no reference model build), slowest printed.
+test-fast: install
+	$(BIN)/python -m pytest -q -x --timeout=300 --durations=10 -m "not stack and not slow"
 
 # Headless Chromium screenshots of a tiny run's MLflow page and plots into docs/ (Debian: apt-get install chromium).
 docs-screenshots: install
