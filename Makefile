@@ -126,3 +126,23 @@ bench-peer: install peer-venv
 			--out $(STATE)/peer/tp-$$r || exit 1; done
 	$(BIN)/python -m benchmarks.peer_eval --model $(STATE)/reference/small $(STATE)/peer/tp-0.1 \
 		$(STATE)/peer/tp-0.2 $(STATE)/peer/tp-0.3
+
+# GGUF export: each parent (dense, block- and width-pruned by PIP) against its f16 / q8_0 files, read back by
+# transformers' GGUF loader (GGUF_MODEL: any reference build). Exported files stay under $(STATE)/bench-gguf.
+.PHONY: bench-gguf bench-llama-cpp
+GGUF_MODEL ?= $(REF_TINY)
+GGUF_NAME ?= gguf_export_$(notdir $(GGUF_MODEL))
+bench-gguf: install data
+	$(BIN)/pipprune reference build --size tiny --out $(REF_TINY)
+	$(BIN)/python -m benchmarks.gguf_export --model $(GGUF_MODEL) --name $(GGUF_NAME)
+
+# llama.cpp runs the exported files (greedy continuations against transformers, decode tok/s dense vs pruned).
+# llama-cpp-python is a source package: pip builds llama.cpp with CMake the first time (long on few cores; pip
+# caches the wheel). Not part of `make test`.
+LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+bench-llama-cpp: bench-gguf
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
+		$(BIN)/pip install --find-links $(STATE)/wheels "$(LLAMA_CPP_PYTHON)"
+	$(BIN)/python -m benchmarks.llama_cpp --files $(STATE)/bench-gguf/$(notdir $(GGUF_MODEL))/gguf/files.json \
+		--name llama_cpp_$(notdir $(GGUF_MODEL))

@@ -15,6 +15,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows import records
+from flows.export import check_export, export_stage
 from flows.records import CompressSummary
 from infra.calibration import CalibrationSource
 from infra.config import CompressConfig
@@ -56,6 +57,7 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     """Prune `config.model` by `config.ratio` in re-scored steps; track, checkpoint, evaluate, register."""
     # 1. inputs: the source model and the calibration pairs, both content-addressed
     source = resolve_source(config.model)
+    check_export(config, source.model)  # export: a model GGUF cannot express is refused before any work
     budget = plan_budget(config, source)  # the target as a removal ratio and aligned widths, from config.json alone
     source_digest = CalibrationSource(config.calibration.source, config.calibration.wordlist).digest()
     calib = prepare_calibration(config.calibration, config.seed, source_digest)
@@ -158,6 +160,7 @@ def _finish(run: records.RunContext, model: ModelRef, budget: BudgetRef, dense: 
     log_final(run.run_id, records.final_metrics(run.source.model.num_params, model, history, dense, final_eval.results,
                                                 memory), summary.model_dump())
     stage(f"registered {config.registered_model_name} version {version}: {verdict['verdict']}")
+    summary.exports = export_stage(config, version, model, run.source.model, run.run_id, run.calib)  # optional: GGUF
     if out_dir:
         export(model, Path(out_dir), summary, overwrite)
     return summary

@@ -44,6 +44,8 @@ class CompressSummary(BaseModel):
     peak_rss_bytes: int | None = None
     peak_rss_over_weights: float | None = None
 
+    #: the GGUF child versions of the optional export stage (flows.export.ExportSummary as JSON)
+    exports: list[dict] = []
 
 @dataclass(frozen=True)
 class RunContext:

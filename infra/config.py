@@ -113,6 +113,26 @@ class RecoverySettings(_Group):
         return self.steps > 0
 
 
+class ExportSettings(_Group):
+    """Optional last stage: the registered version exported as GGUF child versions (flows.export)."""
+
+    quant: tuple[str, ...] = Field((), description="GGUF weight types to export the final model in, e.g. f16,q8_0 "
+                                   "(empty: no export); one child version each, measured against the dense model")
+    registered_model_name: str | None = Field(None, description="registered model of the GGUF versions "
+                                              "(default: <registered_model_name>-gguf)")
+
+    @field_validator("quant", mode="before")
+    @classmethod
+    def _split_quants(cls, value: object) -> object:
+        from infra.gguf_write import GgufExportError, check_quant
+
+        items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value or ())
+        try:
+            return tuple(dict.fromkeys(check_quant(str(v)) for v in items))
+        except GgufExportError as exc:
+            raise ValueError(str(exc)) from None
+
+
 class ServingSettings(_Group):
     """The deployment: the KV cache a memory target counts, and the serving measurement of the flow."""
 
@@ -191,6 +211,7 @@ class CompressConfig(BaseModel):
     recovery: RecoverySettings = RecoverySettings()
     serving: ServingSettings = ServingSettings()
     runtime: RuntimeSettings = RuntimeSettings()
+    export: ExportSettings = ExportSettings()
     registered_model_name: str = Field("pipprune-model", description="registered model name in MLflow")
     trust_remote_code: bool = False
 
@@ -245,6 +266,13 @@ class CompressConfig(BaseModel):
             raise ValueError(str(exc)) from None
 
     @model_validator(mode="after")
+    def _exportable_widths(self) -> CompressConfig:
+        if self.export.quant and self.scoring.width_mode == "per_layer" and self.scoring.unit != "block":
+            raise ValueError("export: GGUF keeps one attention and MLP width for every layer; per-layer widths cannot "
+                             "be exported (use scoring.width_mode uniform, or no export)")
+        return self
+
+    @model_validator(mode="after")
     def _one_budget(self) -> CompressConfig:
         if self.target is not None and "ratio" in self.model_fields_set:
             raise ValueError(f"give --ratio or --target, not both (ratio {self.ratio}, target {self.target})")
@@ -268,7 +296,7 @@ class CompressConfig(BaseModel):
 
     def result_defining(self) -> dict:
         """The settings that decide the pruned weights: where inputs live and how they are evaluated do not."""
-        payload = self.model_dump(mode="json", exclude={"model", "evaluation", "registered_model_name"})
+        payload = self.model_dump(mode="json", exclude={"model", "evaluation", "registered_model_name", "export"})
         payload["calibration"] = {k: v for k, v in payload["calibration"].items() if k not in ("source", "wordlist")}
         payload["serving"] = {k: payload["serving"][k] for k in ("context", "batch")}  # what a memory budget counts
         return payload

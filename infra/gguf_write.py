@@ -141,7 +141,7 @@ def check_quant(quant: str) -> str:
     """The normalised quant name, or GgufExportError listing what can be produced."""
     name = quant.strip().lower()
     if name not in producible_quants():
-        raise GgufExportError(f"--quant {quant!r} is not a type the gguf package can produce here; choose one of "
+        raise GgufExportError(f"quantization type {quant!r} is not one the gguf package can produce here; choose one of "
                               f"{', '.join(producible_quants())}")
     return name
 
@@ -219,7 +219,7 @@ def _pre_tokenizer_name(pre: dict | None) -> str:
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     kinds = [s.get("type") for s in steps]
     if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's name (its loader refuses "gpt2")
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
         return "smollm"
     if kinds[:1] == ["Split"] and kinds[-1] == "ByteLevel":
@@ -228,7 +228,7 @@ def _pre_tokenizer_name(pre: dict | None) -> str:
             return "qwen2"
         if regex.startswith(_LLAMA3_SPLIT_HEAD):
             return "llama-bpe"
-    raise GgufExportError(f"tokenizer.json pre-tokenizer {kinds} is not one llama.cpp names (gpt2, smollm, qwen2, "
+    raise GgufExportError(f"tokenizer.json pre-tokenizer {kinds} is not one llama.cpp names (gpt-2, smollm, qwen2, "
                           "llama-bpe): the GGUF file would split text differently from the model")
 
 
@@ -384,13 +384,17 @@ def check_readback_config(model_dir: Path, config: dict, fam: GgufFamily, vocab:
                               + "; ".join(differ))
 
 
-def check_exportable(model_dir: Path, quant: str = "f16") -> tuple[dict, GgufFamily, _Vocab]:
-    """Everything `write_gguf` refuses, checked before any tensor is read; returns (config, family, vocab)."""
+def check_exportable(model_dir: Path, quant: str = "f16", weights: bool = True) -> tuple[dict, GgufFamily, _Vocab]:
+    """Everything `write_gguf` refuses, checked before any tensor is read; returns (config, family, vocab).
+
+    Needs config.json and the tokenizer files only; `weights=False` skips looking for the safetensors (a caller
+    that checks a checkpoint from its small files before fetching the weights).
+    """
     model_dir = Path(model_dir)
     quant = check_quant(quant)
     config = _read_json(model_dir / "config.json")
     fam = family_of(config)
-    if not any(model_dir.glob("*.safetensors")):
+    if weights and not any(model_dir.glob("*.safetensors")):
         raise GgufExportError(f"{model_dir} has no *.safetensors weights (GGUF export reads safetensors)")
     n_vocab = int(config["vocab_size"])
     vocab = read_vocab(model_dir, n_vocab)

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from infra.gguf_store import ExportRecord, is_export, trace_export
 from infra.signing import SignatureCheck
 
 #: version tags that must equal the MLflow run's tags of the same name
@@ -60,6 +61,9 @@ class Lineage(BaseModel):
     #: the run's MLflow dataset inputs by context ("calibration", "evaluation"): digest, source, name
     datasets: dict[str, dict[str, str]] = {}
     logged_model_id: str | None = None
+    #: a GGUF child version: its file and parent; the fields above are then the parent's chain (infra.gguf_store)
+    export: ExportRecord | None = None
+    parent_signature: SignatureCheck | None = None
     #: a GGUF source: file, sha256, quant_types, and `checked` (re-hashed here) / `present` (found on this machine)
     source_gguf: dict[str, Any] | None = None
 
@@ -93,6 +97,9 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
     """
     mv = resolve_version(client, name, version)
     tags = dict(mv.tags)
+    if is_export(tags):  # a GGUF child: its own file and signature, then the parent's whole chain
+        return trace_export(client, mv, store_for_run_key, lambda n, v, verify: trace(
+            client, store_for_run_key, n, v, verify), verify_signature)
     if "pipprune.run_key" not in tags:
         raise LineageError(f"{name} v{mv.version} was not registered by pipprune (no pipprune.run_key tag)")
     problems: list[str] = []

@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 
+from pipprune.commands import export as export_cmd
 from pipprune.commands import keys as keys_cmd
 from pipprune.commands import promote as promote_cmd
 from pipprune.commands import reference as reference_cmd
@@ -38,6 +39,7 @@ app.add_typer(reference_cmd.app, name="reference", help="Build the offline refer
 app.add_typer(keys_cmd.app, name="keys", help="The key that signs registered models (OpenSSF model-signing).")
 app.command("lineage")(promote_cmd.lineage)
 app.command("promote")(promote_cmd.promote)
+app.command("export")(export_cmd.export)
 
 
 @app.callback()

@@ -178,3 +178,24 @@ def test_quant_types_are_those_the_gguf_package_produces(reference_copy):
     assert {"f32", "f16", "bf16", "q8_0", "q4_0"} <= set(producible_quants())
     with pytest.raises(GgufExportError, match="q8_0"):
         write_gguf(reference_copy, reference_copy / "k.gguf", "q4_k")
+
+
+def test_the_file_states_what_llama_cpp_reads(reference_copy):
+    """The keys llama.cpp's loader requires for a llama model and a byte-level BPE vocabulary, read with gguf's reader."""
+    import gguf
+
+    info = write_gguf(reference_copy, reference_copy / "keys.gguf", "q8_0")
+    reader = gguf.GGUFReader(info.path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    config = json.loads((reference_copy / "config.json").read_text())
+    assert fields["general.architecture"] == "llama" and fields["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
+    expected = {"block_count": config["num_hidden_layers"], "embedding_length": config["hidden_size"],
+                "feed_forward_length": config["intermediate_size"],
+                "attention.head_count": config["num_attention_heads"],
+                "attention.head_count_kv": config["num_key_value_heads"],
+                "rope.dimension_count": config["hidden_size"] // config["num_attention_heads"]}
+    assert {k: fields[f"llama.{k}"] for k in expected} == expected
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    assert len(fields["tokenizer.ggml.tokens"]) == config["vocab_size"] and fields["tokenizer.ggml.merges"]
+    assert fields["tokenizer.ggml.bos_token_id"] == config["bos_token_id"] and fields["tokenizer.ggml.add_bos_token"]
+    assert "output.weight" not in {t.name for t in reader.tensors}  # tied to token_embd

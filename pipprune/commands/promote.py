@@ -108,6 +108,13 @@ def _print_lineage(result) -> None:  # noqa: ANN001 - rich output only
                          *((f"dataset {ctx} digest", f"{d['digest']} ({d['name']})")
                            for ctx, d in sorted(result.datasets.items()))]:
         head.add_row(label, value)
+    if result.export is not None:  # a GGUF child: its file, then the parent's chain below
+        e = result.export
+        for label, value in [("GGUF file", f"{e.uri}{e.file} ({e.quant})"), ("GGUF sha256", e.sha256),
+                             ("GGUF file verified", "yes" if e.file_verified else "NO"),
+                             ("parent version", f"{e.parent_name} v{e.parent_version}"),
+                             ("parent signature", _signature_line(result.parent_signature))]:
+            head.add_row(label, value)
     console.print(head)
     steps = Table(title="iterations")
     for column in ("iter", "params", "removed", "units", "held-out ppl", "files verified", "S3"):
