@@ -95,11 +95,12 @@ def summarise(runs: list[dict], n_boot: int = N_BOOT) -> tuple[list[dict], list[
     summary, verdicts = [], []
     keys = sorted({(r["unit"], r["ratio"], r["seed"]) for r in runs})
     for unit, ratio, seed in keys:
-        group = {r["method"]: DocStats.from_json(r["docs"]) for r in runs
-                 if (r["unit"], r["ratio"], r["seed"]) == (unit, ratio, seed)}
+        cell = {r["method"]: r for r in runs if (r["unit"], r["ratio"], r["seed"]) == (unit, ratio, seed)}
+        group = {method: DocStats.from_json(r["docs"]) for method, r in cell.items()}
         for method, stats in group.items():
+            removed = {"removed_layers": cell[method]["removed_layers"]} if "removed_layers" in cell[method] else {}
             summary.append({"unit": unit, "ratio": ratio, "seed": seed, "method": method,
-                            **metric_intervals(stats, seed, n_boot)})
+                            **metric_intervals(stats, seed, n_boot), **removed})
         for pip in [m for m in group if m.startswith("pip") and m not in BASELINES]:
             for base in [m for m in group if m in BASELINES]:
                 verdicts.append({"unit": unit, "ratio": ratio, "seed": seed, "pip": pip, "baseline": base,
@@ -228,11 +229,15 @@ def ci(d: dict) -> str:
 
 
 def tables(model: str, summary: list[dict], verdicts: list[dict], docs: int, heldout: str) -> list[str]:
+    layers = any("removed_layers" in s for s in summary)  # block runs since the candidates: which layers went
     lines = [f"# KL to the dense model ({model}, {docs} held-out {heldout} documents, paired bootstrap 95%)", "",
-             "| unit | ratio | seed | method | KL(dense‖pruned) | top-1 agreement | ppl / dense |",
-             "|---|---|---|---|---|---|---|"]
+             "| unit | ratio | seed | method | KL(dense‖pruned) | top-1 agreement | ppl / dense |"
+             + (" source layers removed, by step |" if layers else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if layers else "")]
     lines += [f"| {s['unit']} | {s['ratio']:.1f} | {s['seed']} | {s['method']} | {ci(s['kl'])} | "
-              f"{ci(s['top1_agreement'])} | {ci(s['ppl_ratio'])} |" for s in summary]
+              f"{ci(s['top1_agreement'])} | {ci(s['ppl_ratio'])} |"
+              + (f" {' / '.join(','.join(map(str, step)) for step in s.get('removed_layers', []))} |" if layers else "")
+              for s in summary]
     lines += ["", "## Verdicts: PIP form vs baseline on KL (paired difference PIP - baseline, 95%)", "",
               "| unit | ratio | seed | PIP form | baseline | KL difference | relative | verdict |",
               "|---|---|---|---|---|---|---|---|"]
@@ -248,14 +253,15 @@ def run_key(unit: str, ratio: float, seed: int, method: str, args: argparse.Name
 
 
 def load_done(path: Path | None, model: Path, digests: dict[str, str]) -> dict[str, dict]:
-    """Finished runs of a --resume file for this model and these held-out sets (other lines are ignored)."""
+    """Finished runs of a --resume file for this model that measured (at least) these held-out sets, with the
+    same contents; only these sets' records are kept. Other lines are ignored."""
     done: dict[str, dict] = {}
     if path and path.is_file():
         for line in path.read_text().splitlines():
             if line.strip():
                 record = json.loads(line)
-                if record["model"] == str(model) and record["digests"] == digests:
-                    done[record["key"]] = record["runs"]
+                if record["model"] == str(model) and all(record["digests"].get(h) == d for h, d in digests.items()):
+                    done[record["key"]] = {h: record["runs"][h] for h in digests}
     return done
 
 

@@ -157,6 +157,9 @@ PIP_FORMS = ("l2", "first_order", "relative", "single_view")
 #: PIP at the representation level (forward only, blocks only): how much each block changes the
 #: difference between the two views' hidden states (see `repr_import`)
 REPR_FORMS = ("repr", "repr_cos")
+#: PIP as the first-order effect of removing a block on the loss gap between the views (blocks only; see
+#: `removal_import`)
+REMOVAL_FORMS = ("removal",)
 
 
 def _abs_product(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -350,6 +353,64 @@ def block_influence(model: nn.Module, tokenizer, texts: Sequence[str], units: Se
     return torch.stack([per_layer[u.layer] for u in units])
 
 
+def removal_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
+                   max_length: int = 128, progress: bool = True) -> torch.Tensor:
+    """PIP at the block level: the first-order change of the loss gap L(s) - L(s~) when a block is removed.
+
+    Removing block l replaces its output h_out by its input h_in, so to first order a view's loss moves
+    by -<dL/dh_out, h_out - h_in> (summed over the view's tokens). The score is the mean over pairs of
+    | <dL(s)/dh_out(s), f(s)> - <dL(s~)/dh_out(s~), f(s~)> |, f = h_out - h_in: the two views' gradients
+    differenced along the direction the removal moves each one, where PertImport differences them over
+    the unit's weights. One forward of both views and one backward per pair, with respect to the hidden
+    states only (no weight gradient is formed).
+    """
+    if any(u.kind != "block" for u in units):
+        raise PipCoreError("pip_removal scores whole blocks only; use unit kind 'block'")
+    if not pairs:
+        raise CalibrationError("empty calibration set: no (original, perturbed) pairs")
+    originals = _encode(tokenizer, [p[0] for p in pairs], max_length)
+    perturbed = _encode(tokenizer, [p[1] for p in pairs], max_length)
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    layers = decoder_layers(model)
+    branch: dict[int, torch.Tensor] = {}
+    grads: dict[int, torch.Tensor] = {}
+
+    def make_hook(i: int):  # noqa: ANN202
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            h_in = args[0] if args else kwargs["hidden_states"]
+            h_out = output[0] if isinstance(output, tuple) else output
+            branch[i] = (h_out - h_in).detach()
+            h_out.register_hook(lambda g: grads.__setitem__(i, g.detach()))
+        return hook
+
+    def leaf(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output.detach().requires_grad_(True)  # activations need gradients, weights do not
+
+    saved = {p: p.requires_grad for p in model.parameters()}
+    total = torch.zeros(len(layers), dtype=torch.float64)
+    handles = [layer.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles.append(model.get_input_embeddings().register_forward_hook(leaf))
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for a, b in tqdm(list(zip(originals, perturbed, strict=False)), desc="PIP removal", disable=not progress):
+            branch.clear()
+            grads.clear()
+            ids, mask = _batch([a, b], pad, device)
+            per_sequence_loss(model, ids, mask).sum().backward()  # rows are independent: row v gets dL_v/dh[v]
+            for i in range(len(layers)):
+                t = (grads[i].double() * branch[i].double() * mask[..., None]).sum(dim=(1, 2))
+                total[i] += float((t[0] - t[1]).abs())
+    finally:
+        for h in handles:
+            h.remove()
+        for p, flag in saved.items():
+            p.requires_grad_(flag)
+    per_layer = total / len(pairs)
+    return torch.stack([per_layer[u.layer] for u in units])
+
+
 def random_scores(units: Sequence[Unit], seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.rand(len(units), generator=generator, dtype=torch.float64)
@@ -388,6 +449,8 @@ def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=Non
             form = PIP_DEFAULT_FORM if method == "pip" else method.removeprefix("pip_")
             if form in REPR_FORMS:
                 return repr_import(model, tokenizer, pairs or [], units, max_length, progress, form)
+            if form in REMOVAL_FORMS:
+                return removal_import(model, tokenizer, pairs or [], units, max_length, progress)
             return pert_import(model, tokenizer, pairs or [], units, max_length, progress, form)
         calib = list(texts) if texts is not None else [p[0] for p in (pairs or [])]
         if method == "taylor":
