@@ -34,8 +34,9 @@ from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
 METHODS = {"block": ["pip_l2", "pip_first_order", "pip_relative", "pip_repr", "pip_repr_cos", "random", "magnitude",
                      "taylor", "block_influence"],
            "width": ["pip_l2", "pip_first_order", "pip_relative", "random", "magnitude", "taylor"]}
-#: what each PIP form is compared with; pip_single_view is the no-perturbation ablation
-BASELINES = ("random", "magnitude", "taylor", "block_influence", "pip_single_view")
+#: what each PIP form is compared with; pip_single_view and pip_removal_single_view are the no-perturbation
+#: ablations
+BASELINES = ("random", "magnitude", "taylor", "block_influence", "pip_single_view", "pip_removal_single_view")
 N_BOOT = 2000
 
 

@@ -158,8 +158,8 @@ PIP_FORMS = ("l2", "first_order", "relative", "single_view")
 #: difference between the two views' hidden states (see `repr_import`)
 REPR_FORMS = ("repr", "repr_cos")
 #: PIP as the first-order effect of removing a block on the loss gap between the views (blocks only; see
-#: `removal_import`)
-REMOVAL_FORMS = ("removal",)
+#: `removal_import`); "removal_single_view" is its no-perturbation ablation (the clean view's term alone)
+REMOVAL_FORMS = ("removal", "removal_single_view")
 
 
 def _abs_product(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -354,7 +354,7 @@ def block_influence(model: nn.Module, tokenizer, texts: Sequence[str], units: Se
 
 
 def removal_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
-                   max_length: int = 128, progress: bool = True) -> torch.Tensor:
+                   max_length: int = 128, progress: bool = True, form: str = "removal") -> torch.Tensor:
     """PIP at the block level: the first-order change of the loss gap L(s) - L(s~) when a block is removed.
 
     Removing block l replaces its output h_out by its input h_in, so to first order a view's loss moves
@@ -362,10 +362,13 @@ def removal_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]]
     | <dL(s)/dh_out(s), f(s)> - <dL(s~)/dh_out(s~), f(s~)> |, f = h_out - h_in: the two views' gradients
     differenced along the direction the removal moves each one, where PertImport differences them over
     the unit's weights. One forward of both views and one backward per pair, with respect to the hidden
-    states only (no weight gradient is formed).
+    states only (no weight gradient is formed). "removal_single_view": mean of |<dL(s)/dh_out, f(s)>|, the
+    first-order effect of the removal on the clean view's loss alone (block Taylor, no perturbation).
     """
+    if form not in REMOVAL_FORMS:
+        raise PipCoreError(f"unknown removal form {form!r}; use one of {', '.join(REMOVAL_FORMS)}")
     if any(u.kind != "block" for u in units):
-        raise PipCoreError("pip_removal scores whole blocks only; use unit kind 'block'")
+        raise PipCoreError(f"pip_{form} scores whole blocks only; use unit kind 'block'")
     if not pairs:
         raise CalibrationError("empty calibration set: no (original, perturbed) pairs")
     originals = _encode(tokenizer, [p[0] for p in pairs], max_length)
@@ -401,7 +404,7 @@ def removal_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]]
             per_sequence_loss(model, ids, mask).sum().backward()  # rows are independent: row v gets dL_v/dh[v]
             for i in range(len(layers)):
                 t = (grads[i].double() * branch[i].double() * mask[..., None]).sum(dim=(1, 2))
-                total[i] += float((t[0] - t[1]).abs())
+                total[i] += float((t[0] if form == "removal_single_view" else t[0] - t[1]).abs())
     finally:
         for h in handles:
             h.remove()
@@ -450,7 +453,7 @@ def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=Non
             if form in REPR_FORMS:
                 return repr_import(model, tokenizer, pairs or [], units, max_length, progress, form)
             if form in REMOVAL_FORMS:
-                return removal_import(model, tokenizer, pairs or [], units, max_length, progress)
+                return removal_import(model, tokenizer, pairs or [], units, max_length, progress, form)
             return pert_import(model, tokenizer, pairs or [], units, max_length, progress, form)
         calib = list(texts) if texts is not None else [p[0] for p in (pairs or [])]
         if method == "taylor":

@@ -137,11 +137,14 @@ def test_cached_dense_gives_the_same_divergence(tok, model):  # noqa: F811
 
 
 def test_pip_removal_equals_naive_first_order_gap(tok, model):  # noqa: F811
-    """pip_removal = mean over pairs of |<dL(s)/dh_out, h_out - h_in>(s) - (same)(s~)| per block."""
+    """pip_removal = mean over pairs of |<dL(s)/dh_out, h_out - h_in>(s) - (same)(s~)| per block; its single-view
+    ablation the mean of the clean view's term's absolute value."""
     m = copy.deepcopy(model)
     found = units.discover(m, "block")
     fast = importance.score(m, "pip_removal", found, tokenizer=tok, pairs=REPR_PAIRS, progress=False)
+    single = importance.score(m, "pip_removal_single_view", found, tokenizer=tok, pairs=REPR_PAIRS, progress=False)
     naive = torch.zeros(len(found) - 1, dtype=torch.float64)
+    naive_single = torch.zeros(len(found) - 1, dtype=torch.float64)
     for pair in REPR_PAIRS:
         t = []
         for text in pair:
@@ -155,7 +158,9 @@ def test_pip_removal_equals_naive_first_order_gap(tok, model):  # noqa: F811
                                   for i in range(len(hs) - 2)]))
             m.zero_grad()
         naive += (t[0] - t[1]).abs()
+        naive_single += t[0].abs()
     torch.testing.assert_close(fast[:-1], naive / len(REPR_PAIRS), rtol=1e-4, atol=1e-8)
+    torch.testing.assert_close(single[:-1], naive_single / len(REPR_PAIRS), rtol=1e-4, atol=1e-8)
     assert all(p.grad is None for p in m.parameters())
     with pytest.raises(PipCoreError, match="whole blocks"):
         importance.score(m, "pip_removal", units.discover(m, "mlp"), tokenizer=tok, pairs=PAIRS, progress=False)
