@@ -30,9 +30,9 @@ from torch import nn
 
 from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
 
-#: `pip` is one of the named forms (importance.PIP_DEFAULT_FORM), so it is not run twice
-METHODS = {"block": ["pip_l2", "pip_first_order", "pip_relative", "pip_repr", "pip_repr_cos", "random", "magnitude",
-                     "taylor", "block_influence"],
+#: `pip` is one of the named forms (importance.default_form), so it is not run twice
+METHODS = {"block": ["pip_l2", "pip_first_order", "pip_relative", "pip_repr", "pip_repr_cos", "pip_removal", "random",
+                     "magnitude", "taylor", "block_influence"],
            "width": ["pip_l2", "pip_first_order", "pip_relative", "random", "magnitude", "taylor"]}
 #: what each PIP form is compared with; pip_single_view and pip_removal_single_view are the no-perturbation
 #: ablations

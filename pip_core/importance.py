@@ -25,8 +25,16 @@ from pip_core.vocabulary import METHODS
 
 log = logging.getLogger(__name__)
 
-#: the form `pip` uses (see pert_import and the README's PIP section for the evidence)
+#: the form `pip` uses for width units (attention groups, MLP channels; see pert_import and the README's PIP
+#: section for the evidence)
 PIP_DEFAULT_FORM = "l2"
+#: the form `pip` uses for whole blocks
+PIP_DEFAULT_BLOCK_FORM = "l2"
+
+
+def default_form(kind: str) -> str:
+    """The PIP form `pip` means for units of `kind` ('block', 'attn', 'mlp' or 'width')."""
+    return PIP_DEFAULT_BLOCK_FORM if kind == "block" else PIP_DEFAULT_FORM
 
 
 # ---------------------------------------------------------------- tokenisation
@@ -449,7 +457,9 @@ def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=Non
         if tokenizer is None:
             raise PipCoreError(f"method {method!r} needs a tokenizer")
         if method.startswith("pip"):
-            form = PIP_DEFAULT_FORM if method == "pip" else method.removeprefix("pip_")
+            kinds = {u.kind for u in units}
+            form = (default_form("block" if kinds == {"block"} else "width") if method == "pip"
+                    else method.removeprefix("pip_"))
             if form in REPR_FORMS:
                 return repr_import(model, tokenizer, pairs or [], units, max_length, progress, form)
             if form in REMOVAL_FORMS:
