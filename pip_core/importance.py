@@ -5,6 +5,11 @@ gradient that difference is grad_u (L(s) - L(s~)), so each pair costs one forwar
 (one padded batch of two) and ONE backward. Gradients are reduced to per-unit squared norms by
 hooks the moment each parameter's gradient is ready and then freed, so no full gradient copy
 is ever held.
+
+Other forms of the same idea (candidates measured on the real model, see the README): `pip_relative`
+divides each unit's gradient difference by its clean-view gradient; `pip_repr` / `pip_repr_cos` compare
+the two views' hidden-state difference before and after each block (forward only); `pip_removal` is the
+first-order change of the views' loss gap when a block is removed (activation gradients only).
 """
 
 from __future__ import annotations
