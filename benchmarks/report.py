@@ -15,7 +15,7 @@ CANDIDATES = ("divergence_smollm2_block_candidates", "divergence_smollm2_block_c
 CANDIDATE_SEEDS = ("divergence_smollm2_block_seeds", "divergence_smollm2_block_seeds_wordnet")
 
 
-ORDER = [*CANDIDATES, *CANDIDATE_SEEDS,
+ORDER = [*CANDIDATES, *CANDIDATE_SEEDS, "divergence_smollm2_block_paper_schedule",
          "divergence_small", "divergence_small_wordnet", "divergence_small_block_seeds", "divergence_small_block_seeds_wordnet",
          "divergence_small_block_seeds_deep", "divergence_small_block_seeds_deep_wordnet",
          "divergence_small_32pairs", "divergence_small_32pairs_wordnet", "divergence_small_32pairs_block_seeds",
