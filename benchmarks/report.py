@@ -15,7 +15,7 @@ CANDIDATES = ("divergence_smollm2_block_candidates", "divergence_smollm2_block_c
 CANDIDATE_SEEDS = ("divergence_smollm2_block_seeds", "divergence_smollm2_block_seeds_wordnet")
 
 
-ORDER = [*CANDIDATES, *CANDIDATE_SEEDS,
+ORDER = [*CANDIDATES, *CANDIDATE_SEEDS, "divergence_smollm2_block_paper_schedule",
          "divergence_small", "divergence_small_wordnet", "divergence_small_block_seeds", "divergence_small_block_seeds_wordnet",
          "divergence_small_block_seeds_deep", "divergence_small_block_seeds_deep_wordnet",
          "divergence_small_32pairs", "divergence_small_32pairs_wordnet", "divergence_small_32pairs_block_seeds",
@@ -415,6 +415,24 @@ def candidates_note() -> str:
                  + "; ".join(f"`{v['pip']}` vs block influence {v['relative']:+.1%} {v['verdict']} "
                              f"({r['heldout']})" for r in seeds for v in r["verdicts"]
                              if str(v["seed"]).startswith("mean") and v["baseline"] == "block_influence") + ".")
+    paper = _load("divergence_smollm2_block_paper_schedule")
+    if paper:
+        from benchmarks.divergence import kl_comparison
+        from pip_core.divergence import DocStats
+
+        def docs(result: dict, method: str) -> DocStats:
+            return DocStats.from_json(next(r["docs"] for r in result["runs"] if r["method"] == method and r["seed"] == 0))
+
+        same = next(v for v in paper["verdicts"] if (v["pip"], v["baseline"]) == ("pip_removal", "block_influence"))
+        across = kl_comparison(docs(paper, "pip_removal"), docs(main, "block_influence"))
+        bi = kl_comparison(docs(paper, "block_influence"), docs(main, "block_influence"))
+        kls = {x["method"]: x["kl"]["point"] for x in paper["summary"]}
+        text += (f" The paper's schedule (`divergence_smollm2_block_paper_schedule`: {paper['args']['iterations']} "
+                 "iterations of one block, the perturbation drawn anew at each step, Persuasion): `pip_removal` "
+                 f"{kls['pip_removal']:.2f}, block influence on the same schedule {kls['block_influence']:.2f} "
+                 f"({same['relative']:+.1%} {same['verdict']}); against block influence at {iterations} iterations "
+                 f"{across['relative']:+.1%} {across['verdict']} (block influence itself is {bi['relative']:+.1%} "
+                 f"{bi['verdict']} at one block per iteration than at {iterations} iterations).")
     return textwrap.fill(text, width=110, subsequent_indent="  ", break_on_hyphens=False) + "\n"
 
 
