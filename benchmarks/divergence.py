@@ -4,9 +4,14 @@ Every run prunes a copy of the same model with the same calibration pairs and se
 KL(dense || pruned), top-1 agreement and the perplexity ratio on the reference's held-out
 Persuasion chunks (never calibration text). Per-document sums are stored in the JSON, so every
 interval and verdict in the table is recomputed from them (pip_core.bootstrap).
+`--fresh-perturbation` redraws each step's perturbed views (same texts, a new perturbation seed per
+step), which with `--iterations` = the number of blocks to remove is the paper's schedule (one block
+per iteration, new perturbed texts after each removal). `--resume FILE` keeps finished runs in a
+JSONL file and reuses them, so an interrupted benchmark loses at most the run in progress.
 Usage: python -m benchmarks.divergence [--model DIR] [--ratios 0.1,0.2,0.3] [--units width,block]
-       [--methods pip,pip_l2,...] [--pairs 32] [--iterations 2] [--seeds 0] [--width-mode uniform|per_layer]
-       [--heldout persuasion,wordnet] [--name divergence]
+       [--methods pip,pip_l2,...] [--pairs 32] [--iterations 2] [--rate 0.15] [--fresh-perturbation]
+       [--seeds 0] [--width-mode uniform|per_layer] [--heldout persuasion,wordnet] [--resume runs.jsonl]
+       [--name divergence]
 """
 
 from __future__ import annotations
@@ -14,19 +19,24 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
 
-#: `pip` is one of the named forms (importance.PIP_DEFAULT_FORM), so it is not run twice
-METHODS = {"block": ["pip_l2", "pip_first_order", "random", "magnitude", "taylor", "block_influence"],
-           "width": ["pip_l2", "pip_first_order", "random", "magnitude", "taylor"]}
-#: what each PIP form is compared with; pip_single_view is the no-perturbation ablation
-BASELINES = ("random", "magnitude", "taylor", "block_influence", "pip_single_view")
+#: `pip` is one of the named forms (importance.default_form), so it is not run twice
+METHODS = {"block": ["pip_l2", "pip_first_order", "pip_relative", "pip_repr", "pip_repr_cos", "pip_removal", "random",
+                     "magnitude", "taylor", "block_influence"],
+           "width": ["pip_l2", "pip_first_order", "pip_relative", "random", "magnitude", "taylor"]}
+#: what each PIP form is compared with; pip_single_view and pip_removal_single_view are the no-perturbation
+#: ablations
+BASELINES = ("random", "magnitude", "taylor", "block_influence", "pip_single_view", "pip_removal_single_view")
 N_BOOT = 2000
 
 
@@ -86,11 +96,12 @@ def summarise(runs: list[dict], n_boot: int = N_BOOT) -> tuple[list[dict], list[
     summary, verdicts = [], []
     keys = sorted({(r["unit"], r["ratio"], r["seed"]) for r in runs})
     for unit, ratio, seed in keys:
-        group = {r["method"]: DocStats.from_json(r["docs"]) for r in runs
-                 if (r["unit"], r["ratio"], r["seed"]) == (unit, ratio, seed)}
+        cell = {r["method"]: r for r in runs if (r["unit"], r["ratio"], r["seed"]) == (unit, ratio, seed)}
+        group = {method: DocStats.from_json(r["docs"]) for method, r in cell.items()}
         for method, stats in group.items():
+            removed = {"removed_layers": cell[method]["removed_layers"]} if "removed_layers" in cell[method] else {}
             summary.append({"unit": unit, "ratio": ratio, "seed": seed, "method": method,
-                            **metric_intervals(stats, seed, n_boot)})
+                            **metric_intervals(stats, seed, n_boot), **removed})
         for pip in [m for m in group if m.startswith("pip") and m not in BASELINES]:
             for base in [m for m in group if m in BASELINES]:
                 verdicts.append({"unit": unit, "ratio": ratio, "seed": seed, "pip": pip, "baseline": base,
@@ -110,29 +121,108 @@ def summarise(runs: list[dict], n_boot: int = N_BOOT) -> tuple[list[dict], list[
     return summary, verdicts
 
 
-def prune_and_measure(base, tokenizer, options, ratio: float, iterations: int, pairs: list[tuple[str, str]],  # noqa: ANN001
+def fresh_pairs(model_dir: Path, n: int, seed: int, rate: float | None = None) -> Callable[[int], list[tuple[str, str]]]:
+    """Pairs for step k (1-based): the same calibration texts as `calibration_pairs(model_dir, n, seed)`,
+    perturbed anew at every step (step 1 gives exactly the default pairs)."""
+    from pip_core.perturb import Perturber
+    from pip_core.wordlist import WordList
+
+    _, texts = calibration_pairs(model_dir, n, seed, rate)
+    words = WordList.from_file(model_dir / "calibration" / "wordlist.txt")
+
+    def for_step(step: int) -> list[tuple[str, str]]:
+        perturber = Perturber(words, seed=seed + 10007 * (step - 1), **({} if rate is None else {"rate": rate}))
+        return [(p.original, p.perturbed) for p in perturber.perturb_many(texts).pairs]
+    return for_step
+
+
+class _DecoderCache(nn.Module):
+    """The dense decoder's last hidden state per held-out document, computed once per benchmark."""
+
+    def __init__(self, decoder: nn.Module) -> None:
+        super().__init__()
+        self.decoder, self.memo = decoder, {}
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: object):  # noqa: ANN201
+        key = (tuple(input_ids.shape), hashlib.sha256(input_ids.cpu().numpy().tobytes()).hexdigest())
+        if key not in self.memo:
+            self.memo[key] = self.decoder(input_ids=input_ids, **kwargs).last_hidden_state.detach()
+        return type("Hidden", (), {"last_hidden_state": self.memo[key]})()
+
+
+class CachedDense(nn.Module):
+    """`base` as doc_stats sees it (decoder, head, config), with the decoder's outputs memoised: the
+    dense side of every run's KL is the same computation, so it is done once (exact, not approximated)."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base, self.cache = base, _DecoderCache(base.get_decoder())
+        self.config = base.config
+
+    def get_decoder(self) -> nn.Module:
+        return self.cache
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.base.get_output_embeddings()
+
+
+def prune_and_measure(base, tokenizer, options, ratio: float, iterations: int,  # noqa: ANN001
+                      pairs: list[tuple[str, str]] | Callable[[int], list[tuple[str, str]]],
                       texts: list[str], seed: int, sets: dict[str, tuple[list[str], str]], max_length: int, /,
+                      dense: nn.Module | None = None, same_model: dict | None = None,
                       **labels: object) -> dict[str, dict]:
     """Prune a deep copy of `base` (schedule.prune_iteratively), then one run record per held-out set.
 
-    The arguments are positional only, so `labels` may reuse their names (ratio=, seed=). Each record
-    holds `labels`, the metrics, the per-document sums (`docs`), the pruning seconds and the seconds
-    since pruning began (pruning plus the held-out sets measured so far).
+    The arguments are positional only, so `labels` may reuse their names (ratio=, seed=). `pairs` may be
+    a function of the step (1-based) for pairs drawn anew at each step. `dense`: what KL is measured
+    against (default `base`; a `CachedDense(base)` gives the same figures faster). `same_model`: for block
+    units, per-document sums already measured for a set of removed layers (`removed_set_key`), reused when
+    this run removes the same set (the pruned model is then the same model); new measurements are added
+    to it. Each record holds
+    `labels`, the metrics, the per-document sums (`docs`), the blocks removed at each step and their
+    scores (block units), the pruning seconds and the seconds since pruning began (pruning plus the
+    held-out sets measured so far).
     """
     from pip_core import schedule
-    from pip_core.divergence import doc_stats
+    from pip_core.divergence import DocStats, doc_stats
+    from pip_core.units import decoder_layers, param_count
 
     started = time.perf_counter()
     model = copy.deepcopy(base)
-    result = schedule.prune_iteratively(model, tokenizer, options, ratio, iterations, pairs=pairs, texts=texts,
-                                        seed=seed, progress=False)
+    total = param_count(model)
+    steps, alive, removed, scores = [], list(range(len(decoder_layers(model)))), [], []
+    for i, target in enumerate(schedule.plan(ratio, iterations), start=1):
+        spec = schedule.step_spec(i, target, total, param_count(model), seed)
+        step_pairs = pairs(i) if callable(pairs) else pairs
+        report = schedule.step(model, tokenizer, spec, options, total, pairs=step_pairs, texts=texts, progress=False)
+        steps.append(report)
+        if options.kind == "block":  # layers by their index in the source model
+            scores.append({alive[u.layer]: s for u, s in zip(report.units, report.scores, strict=True)})
+            gone = {u.layer for u in report.removed}
+            removed.append(sorted(alive[j] for j in gone))
+            alive = [layer for j, layer in enumerate(alive) if j not in gone]
+    achieved = (total - param_count(model)) / total
     prune_seconds = time.perf_counter() - started
+    trace = {"removed_layers": removed, "block_scores": scores} if options.kind == "block" else {}
     out = {}
-    for held, (held_texts, _) in sets.items():
-        stats = doc_stats(base, model, tokenizer, held_texts, max_length=max_length)
-        out[held] = {**labels, "heldout": held, "achieved_ratio": result.achieved_ratio, **stats.metrics(),
-                     "docs": stats.to_json(), "prune_seconds": prune_seconds, "seconds": time.perf_counter() - started}
+    for held, (held_texts, digest) in sets.items():
+        key = removed_set_key(removed, digest, max_length) if options.kind == "block" else None
+        if same_model is not None and key in same_model:
+            stats, reused = DocStats.from_json(same_model[key]), True
+        else:
+            stats = doc_stats(dense if dense is not None else base, model, tokenizer, held_texts, max_length=max_length)
+            reused = False
+            if same_model is not None and key is not None:
+                same_model[key] = stats.to_json()
+        out[held] = {**labels, "heldout": held, "achieved_ratio": achieved, **stats.metrics(), **trace,
+                     "docs": stats.to_json(), "prune_seconds": prune_seconds, "seconds": time.perf_counter() - started,
+                     **({"measurement_reused": True} if reused else {})}
     return out
+
+
+def removed_set_key(removed: list[list[int]], digest: str, max_length: int) -> str:
+    """Identifies a block-pruned model's held-out measurement: the source layers removed (in any steps)."""
+    return f"{sorted(layer for step in removed for layer in step)}|{digest}|{max_length}"
 
 
 def ci(d: dict) -> str:
@@ -140,17 +230,40 @@ def ci(d: dict) -> str:
 
 
 def tables(model: str, summary: list[dict], verdicts: list[dict], docs: int, heldout: str) -> list[str]:
+    layers = any("removed_layers" in s for s in summary)  # block runs since the candidates: which layers went
     lines = [f"# KL to the dense model ({model}, {docs} held-out {heldout} documents, paired bootstrap 95%)", "",
-             "| unit | ratio | seed | method | KL(dense‖pruned) | top-1 agreement | ppl / dense |",
-             "|---|---|---|---|---|---|---|"]
+             "| unit | ratio | seed | method | KL(dense‖pruned) | top-1 agreement | ppl / dense |"
+             + (" source layers removed, by step |" if layers else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if layers else "")]
     lines += [f"| {s['unit']} | {s['ratio']:.1f} | {s['seed']} | {s['method']} | {ci(s['kl'])} | "
-              f"{ci(s['top1_agreement'])} | {ci(s['ppl_ratio'])} |" for s in summary]
+              f"{ci(s['top1_agreement'])} | {ci(s['ppl_ratio'])} |"
+              + (f" {' / '.join(','.join(map(str, step)) for step in s.get('removed_layers', []))} |" if layers else "")
+              for s in summary]
     lines += ["", "## Verdicts: PIP form vs baseline on KL (paired difference PIP - baseline, 95%)", "",
               "| unit | ratio | seed | PIP form | baseline | KL difference | relative | verdict |",
               "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {v['unit']} | {v['ratio']:.1f} | {v['seed']} | {v['pip']} | {v['baseline']} | {ci(v['kl_diff'])} | "
               f"{v['relative']:+.1%} | {v['verdict']} |" for v in verdicts]
     return lines
+
+
+def run_key(unit: str, ratio: float, seed: int, method: str, args: argparse.Namespace) -> str:
+    """What identifies one run in a --resume file: every argument that changes its figures."""
+    return (f"{unit}|{ratio:g}|{seed}|{method}|{args.pairs}|{args.iterations}|{args.rate}|"
+            f"{int(args.fresh_perturbation)}|{args.width_mode}|{args.max_length}")
+
+
+def load_done(path: Path | None, model: Path, digests: dict[str, str]) -> dict[str, dict]:
+    """Finished runs of a --resume file for this model that measured (at least) these held-out sets, with the
+    same contents; only these sets' records are kept. Other lines are ignored."""
+    done: dict[str, dict] = {}
+    if path and path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                if record["model"] == str(model) and all(record["digests"].get(h) == d for h, d in digests.items()):
+                    done[record["key"]] = {h: record["runs"][h] for h in digests}
+    return done
 
 
 def main() -> None:
@@ -162,6 +275,10 @@ def main() -> None:
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--pairs", type=int, default=128, help="calibration pairs (128: the product default)")
     parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--rate", type=float, default=None, help="perturbation rate (default: the Perturber's, 0.15)")
+    parser.add_argument("--fresh-perturbation", action="store_true",
+                        help="perturb the calibration texts anew at every step (the paper's schedule with "
+                             "--iterations = blocks to remove)")
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--width-mode", default="uniform", choices=["uniform", "per_layer"],
                         help="width units: same cut in every layer (the product default) or each layer its own")
@@ -169,29 +286,48 @@ def main() -> None:
     parser.add_argument("--heldout", default="persuasion,wordnet",
                         help="comma list of persuasion, wordnet or JSONL/TXT files; the first names the main result, "
                              "each other one writes NAME_<set>")
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="JSONL of finished runs: runs found there are reused, new ones appended")
     parser.add_argument("--name", default="divergence")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     from pip_core import io, schedule
+    from pip_core.vocabulary import BLOCK_ONLY_METHODS
 
     base, tokenizer = io.load(args.model)
+    dense = CachedDense(base)
     sets = {h: heldout_texts(args.model, h) for h in args.heldout.split(",")}
+    digests = {h: d for h, (_, d) in sets.items()}
+    done = load_done(args.resume, args.model, digests)
+    same_model = {removed_set_key(r["removed_layers"], digests[held], args.max_length): r["docs"]
+                  for key, measured in done.items() if key.endswith(f"|{args.max_length}")
+                  for held, r in measured.items() if r.get("removed_layers") is not None and r.get("unit") == "block"}
     runs: dict[str, list[dict]] = {h: [] for h in sets}
     for unit in args.units.split(","):
         methods = args.methods.split(",") if args.methods else METHODS[unit]
         for ratio in [float(r) for r in args.ratios.split(",")]:
             for seed in [int(s) for s in args.seeds.split(",")]:
-                pairs, calib = calibration_pairs(args.model, args.pairs, seed)
+                pairs, calib = calibration_pairs(args.model, args.pairs, seed, args.rate)
+                step_pairs = fresh_pairs(args.model, args.pairs, seed, args.rate) if args.fresh_perturbation else pairs
                 for method in methods:
-                    if method == "block_influence" and unit != "block":
+                    if method in BLOCK_ONLY_METHODS and unit != "block":
                         continue
-                    options = schedule.ScoringOptions(method, unit, width_mode=args.width_mode)
-                    measured = prune_and_measure(base, tokenizer, options, ratio, args.iterations, pairs, calib, seed,
-                                                 sets, args.max_length, unit=unit, ratio=ratio, seed=seed, method=method)
-                    for held, run in measured.items():
+                    key = run_key(unit, ratio, seed, method, args)
+                    if key not in done:
+                        options = schedule.ScoringOptions(method, unit, width_mode=args.width_mode)
+                        done[key] = prune_and_measure(
+                            base, tokenizer, options, ratio, args.iterations, step_pairs, calib, seed, sets,
+                            args.max_length, dense=dense, same_model=same_model, unit=unit, ratio=ratio, seed=seed, method=method,
+                            pairs=args.pairs, iterations=args.iterations, rate=args.rate,
+                            fresh_perturbation=args.fresh_perturbation)
+                        if args.resume:
+                            with args.resume.open("a") as fh:
+                                fh.write(json.dumps({"key": key, "model": str(args.model), "runs": done[key],
+                                                     "digests": digests}) + "\n")
+                    for held, run in done[key].items():
                         runs[held].append(run)
-                        print({k: v for k, v in run.items() if k != "docs"}, flush=True)
+                        print({k: v for k, v in run.items() if k not in ("docs", "block_scores")}, flush=True)
     for n, (held, (texts, digest)) in enumerate(sets.items()):
         summary, verdicts = summarise(runs[held])
         meta = {"heldout": held, "heldout_sha256": digest, "documents": len(texts),
@@ -199,6 +335,7 @@ def main() -> None:
         name = args.name if n == 0 else f"{args.name}_{Path(held).stem}"
         print(write(name, {"args": vars(args), **meta, "runs": runs[held], "summary": summary, "verdicts": verdicts},
                     tables(args.model.name, summary, verdicts, len(texts), held)))
+
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,13 @@ import textwrap
 
 from benchmarks.common import RESULTS
 
-ORDER = ["divergence_small", "divergence_small_wordnet", "divergence_small_block_seeds", "divergence_small_block_seeds_wordnet",
+#: the real-model PIP candidates (benchmarks.divergence on smollm2-135m, blocks 0.2): the results this note reads
+CANDIDATES = ("divergence_smollm2_block_candidates", "divergence_smollm2_block_candidates_wordnet")
+CANDIDATE_SEEDS = ("divergence_smollm2_block_seeds", "divergence_smollm2_block_seeds_wordnet")
+
+
+ORDER = [*CANDIDATES, *CANDIDATE_SEEDS, "divergence_smollm2_block_paper_schedule",
+         "divergence_small", "divergence_small_wordnet", "divergence_small_block_seeds", "divergence_small_block_seeds_wordnet",
          "divergence_small_block_seeds_deep", "divergence_small_block_seeds_deep_wordnet",
          "divergence_small_32pairs", "divergence_small_32pairs_wordnet", "divergence_small_32pairs_block_seeds",
          "divergence_small_32pairs_block_seeds_wordnet",
@@ -74,22 +80,26 @@ def _quality_rows(quality: dict) -> list[str]:
 
 
 def reference_name(model: str) -> str:
-    """'tiny, ' / 'small, ' for a reference model path (a test-cache folder carries its builder digest), else ''."""
+    """'tiny, ' / 'small, ' / 'smollm2, ' for a reference model path (a test-cache folder carries its builder
+    digest), else ''."""
     stem = model.rstrip("/").rsplit("/", 1)[-1].split("-", 1)[0]
-    return f"{stem}, " if stem in ("tiny", "small") else ""
+    return f"{stem}, " if stem in ("tiny", "small", "smollm2") else ""
 
 
 def _divergence_rows(name: str, result: dict) -> list[str]:
     """PIP (default form) better than or indistinguishable from every baseline on KL, per unit and ratio."""
-    from pip_core.importance import PIP_DEFAULT_FORM
+    from pip_core.importance import default_form
 
-    default = f"pip_{PIP_DEFAULT_FORM}"
     rows = []
     cells = sorted({(v["unit"], v["ratio"]) for v in result["verdicts"]})
     mode = result.get("args", {}).get("width_mode", "per_layer (before width modes)")
     for unit, ratio in cells:
+        default = f"pip_{default_form(unit)}"
         mine = [v for v in result["verdicts"]
                 if (v["unit"], v["ratio"]) == (unit, ratio) and v["pip"] in ("pip", default)]
+        if not mine and default != "pip_l2":  # measured before the default changed: the literal form's row
+            mine = [v for v in result["verdicts"] if (v["unit"], v["ratio"]) == (unit, ratio) and v["pip"] == "pip_l2"]
+            default = f"pip_l2; the default {default} not measured here"
         if not mine:
             continue
         pooled = [v for v in mine if str(v["seed"]).startswith("mean")]
@@ -365,8 +375,69 @@ def ablation_notes() -> str:
     return textwrap.fill(text, width=110, subsequent_indent="  ", break_on_hyphens=False) + "\n"
 
 
+def candidates_note() -> str:
+    """The PIP forms on the real model (SmolLM2-135M, blocks 0.2): KL per form and set, the layers removed, the
+    verdict against block influence, read from CANDIDATES and CANDIDATE_SEEDS."""
+    sets = [r for r in map(_load, CANDIDATES) if r]
+    if not sets:
+        return ""
+    main = sets[0]
+    pairs, iterations = main["args"]["pairs"], main["args"]["iterations"]
+
+    def kl(result: dict, method: str) -> str:
+        found = [x for x in result["summary"] if x["method"] == method and x["seed"] == 0]
+        return f"{found[0]['kl']['point']:.2f}" if found else "-"
+
+    def vs_bi(method: str) -> str:
+        out = []
+        for r in sets:
+            found = [v for v in r["verdicts"] if v["pip"] == method and v["baseline"] == "block_influence"
+                     and v["seed"] == 0]
+            out.append(f"{found[0]['relative']:+.0%} {found[0]['verdict']}" if found else "-")
+        return " / ".join(out)
+
+    methods = sorted({x["method"] for x in main["summary"]}, key=lambda m: float(kl(main, m)))
+    held = " / ".join(r["heldout"] for r in sets)
+    parts = []
+    for m in methods:
+        removed = next(x.get("removed_layers") for x in main["summary"] if x["method"] == m)
+        layers = " then ".join(",".join(map(str, step)) for step in removed or [])
+        verdict = f", vs block influence {vs_bi(m)}" if m.startswith("pip") else ""
+        parts.append(f"`{m}` {' / '.join(kl(r, m) for r in sets)} (layers {layers}{verdict})")
+    text = (f"- **PIP forms on the real model** (SmolLM2-135M-Instruct, 30 blocks, block ratio 0.2 = 8 blocks, "
+            f"{pairs} pairs, {iterations} iterations, seed 0; `divergence_smollm2_block_candidates*`): KL to the "
+            f"dense model on {held}, best first: " + "; ".join(parts) + ".")
+    seeds = [r for r in map(_load, CANDIDATE_SEEDS) if r]
+    pooled = [v for r in seeds for v in r["verdicts"] if str(v["seed"]).startswith("mean")
+              and v["baseline"] == "block_influence"]
+    if pooled:
+        text += (" Over calibration seeds (" + pooled[0]["seed"] + ", `divergence_smollm2_block_seeds*`): "
+                 + "; ".join(f"`{v['pip']}` vs block influence {v['relative']:+.1%} {v['verdict']} "
+                             f"({r['heldout']})" for r in seeds for v in r["verdicts"]
+                             if str(v["seed"]).startswith("mean") and v["baseline"] == "block_influence") + ".")
+    paper = _load("divergence_smollm2_block_paper_schedule")
+    if paper:
+        from benchmarks.divergence import kl_comparison
+        from pip_core.divergence import DocStats
+
+        def docs(result: dict, method: str) -> DocStats:
+            return DocStats.from_json(next(r["docs"] for r in result["runs"] if r["method"] == method and r["seed"] == 0))
+
+        same = next(v for v in paper["verdicts"] if (v["pip"], v["baseline"]) == ("pip_removal", "block_influence"))
+        across = kl_comparison(docs(paper, "pip_removal"), docs(main, "block_influence"))
+        bi = kl_comparison(docs(paper, "block_influence"), docs(main, "block_influence"))
+        kls = {x["method"]: x["kl"]["point"] for x in paper["summary"]}
+        text += (f" The paper's schedule (`divergence_smollm2_block_paper_schedule`: {paper['args']['iterations']} "
+                 "iterations of one block, the perturbation drawn anew at each step, Persuasion): `pip_removal` "
+                 f"{kls['pip_removal']:.2f}, block influence on the same schedule {kls['block_influence']:.2f} "
+                 f"({same['relative']:+.1%} {same['verdict']}); against block influence at {iterations} iterations "
+                 f"{across['relative']:+.1%} {across['verdict']} (block influence itself is {bi['relative']:+.1%} "
+                 f"{bi['verdict']} at one block per iteration than at {iterations} iterations).")
+    return textwrap.fill(text, width=110, subsequent_indent="  ", break_on_hyphens=False) + "\n"
+
+
 def main() -> None:
-    notes, ablations = NOTES, ablation_notes()
+    notes, ablations = NOTES, candidates_note() + ablation_notes()
     marker = "- **Width selection**"  # the ablation paragraph goes after the no-perturbation bullet
     ablations += block_01_note()
     notes = notes.replace(marker, ablations + marker, 1) if marker in notes else notes + "\n" + ablations

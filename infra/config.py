@@ -16,7 +16,16 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pip_core.vocabulary import MAX_RATIO, METHOD_ALIASES, KdParams, Method, PruneTarget, RecoveryKind, WidthMode
+from pip_core.vocabulary import (
+    BLOCK_ONLY_METHODS,
+    MAX_RATIO,
+    METHOD_ALIASES,
+    KdParams,
+    Method,
+    PruneTarget,
+    RecoveryKind,
+    WidthMode,
+)
 
 
 class _Group(BaseModel):
@@ -41,8 +50,9 @@ class ScoringSettings(_Group):
     """What is pruned, by which criterion, in how many re-scored steps."""
 
     unit: PruneTarget = Field("block", description="structural unit: block | attn | mlp | width")
-    method: Method = Field("pip", description="criterion: pip | pip_l2 | pip_first_order | pip_single_view | random | "
-                                          "magnitude | taylor | block-influence")
+    method: Method = Field("pip", description="criterion: pip | pip_l2 | pip_first_order | pip_relative | pip_repr | "
+                                          "pip_repr_cos | pip_single_view | random | magnitude | taylor | "
+                                          "block-influence")
     iterations: int = Field(4, ge=1, le=100, description="prune/re-score steps to reach the ratio")
     width_mode: WidthMode = Field("uniform", description="uniform | per-layer: uniform cuts every layer alike, so "
                                   "the output is the family's stock config (vLLM, llama.cpp load it) and "
@@ -64,8 +74,8 @@ class ScoringSettings(_Group):
 
     @model_validator(mode="after")
     def _check_method_unit(self) -> ScoringSettings:
-        if self.method == "block_influence" and self.unit != "block":
-            raise ValueError("method 'block_influence' (ShortGPT) scores whole blocks: use --unit block")
+        if self.method in BLOCK_ONLY_METHODS and self.unit != "block":
+            raise ValueError(f"method {self.method!r} scores whole blocks: use --unit block")
         return self
 
 

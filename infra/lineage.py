@@ -21,7 +21,8 @@ from infra.signing import SignatureCheck
 _CROSS_CHECKED = ("pipprune.run_key", "pipprune.source_model", "pipprune.source_fingerprint",
                   "pipprune.calibration_hash", "pipprune.wordlist_hash", "pipprune.config_digest",
                   "pipprune.code_digest", "pipprune.git_sha", "pipprune.prefect_flow_run_id",
-                  "pipprune.source_gguf_file", "pipprune.source_gguf_path", "pipprune.source_gguf_sha256", "pipprune.source_gguf_quant_types")
+                  "pipprune.source_gguf_file", "pipprune.source_gguf_path", "pipprune.source_gguf_sha256",
+                  "pipprune.source_gguf_quant_types")
 
 
 class LineageError(ValueError):

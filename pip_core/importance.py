@@ -5,11 +5,17 @@ gradient that difference is grad_u (L(s) - L(s~)), so each pair costs one forwar
 (one padded batch of two) and ONE backward. Gradients are reduced to per-unit squared norms by
 hooks the moment each parameter's gradient is ready and then freed, so no full gradient copy
 is ever held.
+
+Other forms of the same idea (candidates measured on the real model, see the README): `pip_relative`
+divides each unit's gradient difference by its clean-view gradient; `pip_repr` / `pip_repr_cos` compare
+the two views' hidden-state difference before and after each block (forward only); `pip_removal` is the
+first-order change of the views' loss gap when a block is removed (activation gradients only).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -24,8 +30,16 @@ from pip_core.vocabulary import METHODS
 
 log = logging.getLogger(__name__)
 
-#: the form `pip` uses (see pert_import and the README's PIP section for the evidence)
+#: the form `pip` uses for width units (attention groups, MLP channels; see pert_import and the README's PIP
+#: section for the evidence)
 PIP_DEFAULT_FORM = "l2"
+#: the form `pip` uses for whole blocks
+PIP_DEFAULT_BLOCK_FORM = "l2"
+
+
+def default_form(kind: str) -> str:
+    """The PIP form `pip` means for units of `kind` ('block', 'attn', 'mlp' or 'width')."""
+    return PIP_DEFAULT_BLOCK_FORM if kind == "block" else PIP_DEFAULT_FORM
 
 
 # ---------------------------------------------------------------- tokenisation
@@ -149,8 +163,16 @@ def _square(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 #: PIP's forms of the per-unit gradient difference d = grad(L(s)) - grad(L(s~)):
 #: "l2" = ||d|| over the unit (the paper's literal PertImport); "first_order" = sum |w * d|,
 #: the first-order change of the perturbation sensitivity when the unit is removed;
+#: "relative" = ||d|| / ||grad(L(s))|| per pair (the unit's sensitivity to the perturbation
+#: relative to its own gradient on the clean view: removes the depth trend of gradient magnitude);
 #: "single_view" = ||grad(L(s))|| (ablation: no perturbation at all).
-PIP_FORMS = ("l2", "first_order", "single_view")
+PIP_FORMS = ("l2", "first_order", "relative", "single_view")
+#: PIP at the representation level (forward only, blocks only): how much each block changes the
+#: difference between the two views' hidden states (see `repr_import`)
+REPR_FORMS = ("repr", "repr_cos")
+#: PIP as the first-order effect of removing a block on the loss gap between the views (blocks only; see
+#: `removal_import`); "removal_single_view" is its no-perturbation ablation (the clean view's term alone)
+REMOVAL_FORMS = ("removal", "removal_single_view")
 
 
 def _abs_product(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -177,9 +199,94 @@ def pert_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], u
             acc.zero_()
             ids, mask = _batch([a, b], pad, device)
             losses = per_sequence_loss(model, ids, mask)
+            if form == "relative":  # a second backward through the same graph: the clean view's own gradient
+                losses[0].backward(retain_graph=True)
+                clean = acc.sqrt()
+                acc.zero_()
             (losses[0] if form == "single_view" else losses[0] - losses[1]).backward()
-            total += acc if form == "first_order" else acc.sqrt()
+            if form == "relative":
+                total += torch.where(clean > 0, acc.sqrt() / clean.clamp_min(torch.finfo(torch.float64).tiny),
+                                     torch.zeros_like(clean))
+            else:
+                total += acc if form == "first_order" else acc.sqrt()
     return total.cpu() / len(pairs)
+
+
+def aligned_positions(a: Sequence[int], b: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Positions of the two views' tokens that correspond one to one: tokens both views share (difflib's
+    matching blocks) and edited spans that kept their token count; spans whose count changed are left out."""
+    import difflib
+
+    pa: list[int] = []
+    pb: list[int] = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=list(a), b=list(b), autojunk=False).get_opcodes():
+        if tag == "equal" or (tag == "replace" and i2 - i1 == j2 - j1):
+            pa += range(i1, i2)
+            pb += range(j1, j2)
+    return pa, pb
+
+
+@torch.no_grad()
+def repr_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
+                max_length: int = 128, progress: bool = True, form: str = "repr") -> torch.Tensor:
+    """PIP at the representation level: how much each block changes the difference between the views.
+
+    With d_in = h_in(s) - h_in(s~) and d_out = h_out(s) - h_out(s~) at the aligned positions of a
+    pair (`aligned_positions`), "repr" is sum_t ||d_out - d_in|| / sum_t ||d_in|| (the block's own
+    contribution to the views' difference, relative to the difference it receives) and "repr_cos"
+    the token mean of 1 - cos(d_in, d_out) over positions where d_in != 0 (ShortGPT's block
+    influence applied to the view difference instead of the hidden state). Mean over pairs; low =
+    the block passes the perturbation's effect on through unchanged. Two forwards per pair, no
+    backward; each view runs alone, so positions before the first edit give exactly zero difference.
+    """
+    if form not in REPR_FORMS:
+        raise PipCoreError(f"unknown representation form {form!r}; use one of {', '.join(REPR_FORMS)}")
+    if any(u.kind != "block" for u in units):
+        raise PipCoreError(f"pip_{form} scores whole blocks only; use unit kind 'block'")
+    if not pairs:
+        raise CalibrationError("empty calibration set: no (original, perturbed) pairs")
+    originals = _encode(tokenizer, [p[0] for p in pairs], max_length)
+    perturbed = _encode(tokenizer, [p[1] for p in pairs], max_length)
+    device = next(model.parameters()).device
+    layers = decoder_layers(model)
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def make_hook(i: int):  # noqa: ANN202
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            h_in = args[0] if args else kwargs["hidden_states"]
+            h_out = output[0] if isinstance(output, tuple) else output
+            captured[i] = (h_in[0].double(), h_out[0].double())
+        return hook
+
+    total = torch.zeros(len(layers), dtype=torch.float64)
+    handles = [layer.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        for a, b in tqdm(list(zip(originals, perturbed, strict=False)), desc=f"PIP {form} dual-view states",
+                         disable=not progress):
+            views = []
+            for ids in (a, b):
+                captured.clear()
+                model(input_ids=ids.unsqueeze(0).to(device))
+                views.append(dict(captured))
+            pa, pb = aligned_positions(a.tolist(), b.tolist())
+            ia, ib = torch.tensor(pa, dtype=torch.long, device=device), torch.tensor(pb, dtype=torch.long, device=device)
+            for i in range(len(layers)):
+                (in_a, out_a), (in_b, out_b) = views[0][i], views[1][i]
+                d_in = in_a[ia] - in_b[ib]
+                d_out = out_a[ia] - out_b[ib]
+                if form == "repr":
+                    num, den = float((d_out - d_in).norm(dim=-1).sum()), float(d_in.norm(dim=-1).sum())
+                    total[i] += num / den if den > 0 else (0.0 if num == 0 else math.inf)
+                else:
+                    live = d_in.norm(dim=-1) > 0
+                    if live.any():
+                        cos = nn.functional.cosine_similarity(d_in[live], d_out[live], dim=-1)
+                        total[i] += float((1 - cos).mean())
+    finally:
+        for h in handles:
+            h.remove()
+    per_layer = total / len(pairs)
+    return torch.stack([per_layer[u.layer] for u in units])
 
 
 def taylor(model: nn.Module, tokenizer, texts: Sequence[str], units: Sequence[Unit],  # noqa: ANN001
@@ -259,6 +366,67 @@ def block_influence(model: nn.Module, tokenizer, texts: Sequence[str], units: Se
     return torch.stack([per_layer[u.layer] for u in units])
 
 
+def removal_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
+                   max_length: int = 128, progress: bool = True, form: str = "removal") -> torch.Tensor:
+    """PIP at the block level: the first-order change of the loss gap L(s) - L(s~) when a block is removed.
+
+    Removing block l replaces its output h_out by its input h_in, so to first order a view's loss moves
+    by -<dL/dh_out, h_out - h_in> (summed over the view's tokens). The score is the mean over pairs of
+    | <dL(s)/dh_out(s), f(s)> - <dL(s~)/dh_out(s~), f(s~)> |, f = h_out - h_in: the two views' gradients
+    differenced along the direction the removal moves each one, where PertImport differences them over
+    the unit's weights. One forward of both views and one backward per pair, with respect to the hidden
+    states only (no weight gradient is formed). "removal_single_view": mean of |<dL(s)/dh_out, f(s)>|, the
+    first-order effect of the removal on the clean view's loss alone (block Taylor, no perturbation).
+    """
+    if form not in REMOVAL_FORMS:
+        raise PipCoreError(f"unknown removal form {form!r}; use one of {', '.join(REMOVAL_FORMS)}")
+    if any(u.kind != "block" for u in units):
+        raise PipCoreError(f"pip_{form} scores whole blocks only; use unit kind 'block'")
+    if not pairs:
+        raise CalibrationError("empty calibration set: no (original, perturbed) pairs")
+    originals = _encode(tokenizer, [p[0] for p in pairs], max_length)
+    perturbed = _encode(tokenizer, [p[1] for p in pairs], max_length)
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    layers = decoder_layers(model)
+    branch: dict[int, torch.Tensor] = {}
+    grads: dict[int, torch.Tensor] = {}
+
+    def make_hook(i: int):  # noqa: ANN202
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            h_in = args[0] if args else kwargs["hidden_states"]
+            h_out = output[0] if isinstance(output, tuple) else output
+            branch[i] = (h_out - h_in).detach()
+            h_out.register_hook(lambda g: grads.__setitem__(i, g.detach()))
+        return hook
+
+    def leaf(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output.detach().requires_grad_(True)  # activations need gradients, weights do not
+
+    saved = {p: p.requires_grad for p in model.parameters()}
+    total = torch.zeros(len(layers), dtype=torch.float64)
+    handles = [layer.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles.append(model.get_input_embeddings().register_forward_hook(leaf))
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for a, b in tqdm(list(zip(originals, perturbed, strict=False)), desc="PIP removal", disable=not progress):
+            branch.clear()
+            grads.clear()
+            ids, mask = _batch([a, b], pad, device)
+            per_sequence_loss(model, ids, mask).sum().backward()  # rows are independent: row v gets dL_v/dh[v]
+            for i in range(len(layers)):
+                t = (grads[i].double() * branch[i].double() * mask[..., None]).sum(dim=(1, 2))
+                total[i] += float((t[0] if form == "removal_single_view" else t[0] - t[1]).abs())
+    finally:
+        for h in handles:
+            h.remove()
+        for p, flag in saved.items():
+            p.requires_grad_(flag)
+    per_layer = total / len(pairs)
+    return torch.stack([per_layer[u.layer] for u in units])
+
+
 def random_scores(units: Sequence[Unit], seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.rand(len(units), generator=generator, dtype=torch.float64)
@@ -294,7 +462,13 @@ def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=Non
         if tokenizer is None:
             raise PipCoreError(f"method {method!r} needs a tokenizer")
         if method.startswith("pip"):
-            form = PIP_DEFAULT_FORM if method == "pip" else method.removeprefix("pip_")
+            kinds = {u.kind for u in units}
+            form = (default_form("block" if kinds == {"block"} else "width") if method == "pip"
+                    else method.removeprefix("pip_"))
+            if form in REPR_FORMS:
+                return repr_import(model, tokenizer, pairs or [], units, max_length, progress, form)
+            if form in REMOVAL_FORMS:
+                return removal_import(model, tokenizer, pairs or [], units, max_length, progress, form)
             return pert_import(model, tokenizer, pairs or [], units, max_length, progress, form)
         calib = list(texts) if texts is not None else [p[0] for p in (pairs or [])]
         if method == "taylor":

@@ -96,7 +96,8 @@ def compress(
     from pipprune.commands.console import console_output, log_path_for
 
     progress.configure(progress.choose_mode(quiet, sys.stderr.isatty() and verbose))
-    log_file = None if (json_out or verbose) else log_path_for(_home(), "compress")
+    debug = os.environ.get("PIPPRUNE_DEBUG") == "1"  # --debug: every line and the traceback on the terminal
+    log_file = None if (json_out or verbose or debug) else log_path_for(_home(), "compress")
     with json_output(json_out) as doc, console_output(log_file) as console:
         cfg = _compress_config(model, config, calibration, include_path, tasks, dict(
             ratio=ratio, target=target, unit=unit, width_mode=width_mode, align=align, serve_context=serve_context,
@@ -275,7 +276,8 @@ def eval_cmd(
         names = [t.strip() for t in tasks.split(",") if t.strip()]
         if not names and reference is None:
             fail("--tasks is empty (give --tasks, --reference, or both)")
-        model_dir, reference = _eval_model_dir(model), _eval_model_dir(reference) if reference else None
+        model_dir = _eval_model_dir(model, "model not found")
+        reference = _eval_model_dir(reference, "reference model directory not found") if reference else None
         from infra.preflight import PreflightError, check_eval_tasks, check_weights_intact
 
         try:
@@ -310,7 +312,7 @@ def eval_cmd(
                   "provenance": {**provenance, "sha256": eval_provenance.digest(provenance)}})
 
 
-def _eval_model_dir(model: str | Path) -> Path:
+def _eval_model_dir(model: str | Path, missing: str) -> Path:
     """A model directory, or a GGUF file's dequantized directory (made once, in the cache)."""
     from infra.gguf_source import is_gguf
     from infra.model_source import ModelNotFoundError, local_model_dir
@@ -321,7 +323,7 @@ def _eval_model_dir(model: str | Path) -> Path:
         except ModelNotFoundError as exc:
             fail(str(exc))
     if not Path(model).is_dir():
-        fail(f"model not found: {model} is not a directory or a GGUF file")
+        fail(f"{missing}: {model} is not a directory or a GGUF file")
     return Path(model)
 
 
@@ -441,6 +443,8 @@ def _read_config(model: str) -> dict:
     if is_gguf(model):
         from infra.model_source import gguf_source
 
+        if not path.is_file():
+            fail(f"model not found: GGUF file {path} does not exist")
         try:
             gguf_source(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns)  # refuses what cannot load
             from transformers import AutoConfig

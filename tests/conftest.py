@@ -42,6 +42,17 @@ def tiny_reference_dir() -> Path:
     return out
 
 
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001
+    """Tests that use the stack are marked `stack`, and those that build or load models `slow`, whatever their
+    module says, so `make test-fast` (-m "not stack and not slow") is only pure unit tests."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & {"local_stack", "stack_env"}:
+            item.add_marker(pytest.mark.stack)
+        if names & {"tiny_reference_dir", "local_stack", "stack_env"}:
+            item.add_marker(pytest.mark.slow)
+
+
 def stack_settings(home: Path):  # noqa: ANN201 - infra.settings.Settings, imported lazily
     """Settings of an embedded stack in `home` on free loopback ports (S3 and the block SeaweedFS adds)."""
     from infra.settings import Settings
