@@ -59,6 +59,18 @@ def _encode(tokenizer, texts: Sequence[str], max_length: int) -> list[torch.Tens
     return encoded
 
 
+def _block_form_views(form: str, forms: Sequence[str], family_name: str, units: Sequence[Unit],
+                      pairs: Sequence[tuple[str, str]], tokenizer, max_length: int) -> tuple[list, list]:  # noqa: ANN001
+    """Both views' token ids for a block-only form, after refusing an unknown form, width units or no pairs."""
+    if form not in forms:
+        raise PipCoreError(f"unknown {family_name} form {form!r}; use one of {', '.join(forms)}")
+    if any(u.kind != "block" for u in units):
+        raise PipCoreError(f"pip_{form} scores whole blocks only; use unit kind 'block'")
+    if not pairs:
+        raise CalibrationError("empty calibration set: no (original, perturbed) pairs")
+    return (_encode(tokenizer, [p[0] for p in pairs], max_length), _encode(tokenizer, [p[1] for p in pairs], max_length))
+
+
 def _batch(seqs: Sequence[torch.Tensor], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     width = max(s.numel() for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -239,14 +251,7 @@ def repr_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], u
     the block passes the perturbation's effect on through unchanged. Two forwards per pair, no
     backward; each view runs alone, so positions before the first edit give exactly zero difference.
     """
-    if form not in REPR_FORMS:
-        raise PipCoreError(f"unknown representation form {form!r}; use one of {', '.join(REPR_FORMS)}")
-    if any(u.kind != "block" for u in units):
-        raise PipCoreError(f"pip_{form} scores whole blocks only; use unit kind 'block'")
-    if not pairs:
-        raise CalibrationError("empty calibration set: no (original, perturbed) pairs")
-    originals = _encode(tokenizer, [p[0] for p in pairs], max_length)
-    perturbed = _encode(tokenizer, [p[1] for p in pairs], max_length)
+    originals, perturbed = _block_form_views(form, REPR_FORMS, "representation", units, pairs, tokenizer, max_length)
     device = next(model.parameters()).device
     layers = decoder_layers(model)
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -378,14 +383,7 @@ def removal_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]]
     states only (no weight gradient is formed). "removal_single_view": mean of |<dL(s)/dh_out, f(s)>|, the
     first-order effect of the removal on the clean view's loss alone (block Taylor, no perturbation).
     """
-    if form not in REMOVAL_FORMS:
-        raise PipCoreError(f"unknown removal form {form!r}; use one of {', '.join(REMOVAL_FORMS)}")
-    if any(u.kind != "block" for u in units):
-        raise PipCoreError(f"pip_{form} scores whole blocks only; use unit kind 'block'")
-    if not pairs:
-        raise CalibrationError("empty calibration set: no (original, perturbed) pairs")
-    originals = _encode(tokenizer, [p[0] for p in pairs], max_length)
-    perturbed = _encode(tokenizer, [p[1] for p in pairs], max_length)
+    originals, perturbed = _block_form_views(form, REMOVAL_FORMS, "removal", units, pairs, tokenizer, max_length)
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     layers = decoder_layers(model)
