@@ -101,6 +101,7 @@ class CachedDense:
     def build(cls, dense: nn.Module, tokenizer, texts: Sequence[str], max_length: int,  # noqa: ANN001
               folder: Path, chunk_tokens: int = 128) -> CachedDense:
         """Write the cache into `folder` (via a private sibling renamed into place: never half-written)."""
+        import io
         import shutil
         import tempfile
 
@@ -118,7 +119,9 @@ class CachedDense:
                 hidden = base(input_ids=ids.unsqueeze(0).to(next(dense.parameters()).device)).last_hidden_state[0, :-1]
                 rows = [torch.log_softmax(_logits(head, hidden[s:s + chunk_tokens], cap), -1).cpu()
                         for s in range(0, hidden.shape[0], chunk_tokens)]
-                np.save(tmp / f"doc-{i:05d}.npy", torch.cat(rows).numpy(), allow_pickle=False)
+                buffer = io.BytesIO()  # written by Python, not numpy's tofile: a full disk says "No space left"
+                np.save(buffer, torch.cat(rows).numpy(), allow_pickle=False)
+                (tmp / f"doc-{i:05d}.npy").write_bytes(buffer.getvalue())
             (tmp / "meta.json").write_text(json.dumps({"vocab_size": dense.config.vocab_size,
                                                        "ids": [s.tolist() for s in seqs]}))
             try:
