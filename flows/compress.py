@@ -20,6 +20,7 @@ from flows.records import CompressSummary
 from infra.calibration import CalibrationSource
 from infra.config import CompressConfig
 from infra.locks import run_lock
+from infra.memory import MemoryWatch
 from infra.progress import StepProgress, stage
 from infra.settings import Settings
 from pip_core.schedule import plan, step_spec
@@ -55,6 +56,7 @@ run_key_for = records.run_key_for
 @flow(name="compress", persist_result=False)
 def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite: bool = False) -> CompressSummary:
     """Prune `config.model` by `config.ratio` in re-scored steps; track, checkpoint, evaluate, register."""
+    memory = MemoryWatch.start()  # before any model is read: the baseline the run's own memory is measured from
     # 1. inputs: the source model and the calibration pairs, both content-addressed
     source = resolve_source(config.model)
     check_export(config, source.model)  # export: a model GGUF cannot express is refused before any work
@@ -66,7 +68,7 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     stage(f"inputs: {config.model}: {source.model.num_params:,} parameters; {calib.n_pairs} calibration pairs")
     with run_lock(Settings(), run_key), tracking_run(run_key, records.run_params(config, calib), lineage) as run_id:
         log_datasets(run_id, config.calibration.source, calib)
-        run = records.RunContext(config, run_key, run_id, lineage, source, calib, source_digest)
+        run = records.RunContext(config, run_key, run_id, lineage, source, calib, source_digest, memory)
         # 2. the dense model, measured once while it is the model in hand (no copy of it is kept beside the pruned)
         dense = _measure_dense(run)
         # 3. prune in re-scored steps; each is checkpointed to S3, and a rerun resumes after the last one
@@ -150,17 +152,19 @@ def _finish(run: records.RunContext, model: ModelRef, budget: BudgetRef, dense: 
     provenance = eval_provenance(run.source.model, run.calib, config.calibration.max_length, final_eval, dense.lm_eval)
     log_eval_provenance(run.run_id, provenance)
     budget_tags = log_budget(run.run_id, budget, model, run.source.model.num_params)
-    memory = records.memory_figures(run.source.model.num_params, placement_for(run.source.model, rt).dtype)
     signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3
     version = register_model(config.registered_model_name, model, run.run_id, {
         **records.version_tags(config, run.lineage, model, run.run_id, signature, provenance), **budget_tags,
         **serving, **records.verdict_tags(verdict)})
+    stage(f"registered {config.registered_model_name} version {version}: {verdict['verdict']}")
+    exports = export_stage(config, version, model, run.source.model, run.run_id, run.calib)  # optional: GGUF
+    memory = records.memory_figures(run.memory, run.source.model.num_params,  # the whole run's peak, export included
+                                    placement_for(run.source.model, rt).dtype)
     summary = records.summary(run, version, model, history, dense, final_eval.results, resumed, out_dir,
                               records.Judgement(verdict=verdict, samples=samples, memory=memory))
+    summary.exports = exports
     log_final(run.run_id, records.final_metrics(run.source.model.num_params, model, history, dense, final_eval.results,
                                                 memory), summary.model_dump())
-    stage(f"registered {config.registered_model_name} version {version}: {verdict['verdict']}")
-    summary.exports = export_stage(config, version, model, run.source.model, run.run_id, run.calib)  # optional: GGUF
     if out_dir:
         export(model, Path(out_dir), summary, overwrite)
     return summary

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from infra.config import CompressConfig, EvaluationSettings
+from infra.memory import MemoryWatch
 from infra.version import code_digest, git_sha
 from tasks.refs import CalibrationRef, ModelRef, PrunePlan, SignatureRef, SourceRef, StatsRef
 
@@ -43,6 +44,9 @@ class CompressSummary(BaseModel):
     #: the process's peak resident memory over the run, and over the weights in the run's dtype
     peak_rss_bytes: int | None = None
     peak_rss_over_weights: float | None = None
+    #: resident memory before any model was read (interpreter and libraries), and the peak less it over the weights
+    baseline_rss_bytes: int | None = None
+    run_memory_over_weights: float | None = None
 
     #: the GGUF child versions of the optional export stage (flows.export.ExportSummary as JSON)
     exports: list[dict] = []
@@ -58,6 +62,7 @@ class RunContext:
     source: SourceRef
     calib: CalibrationRef
     source_digest: str
+    memory: MemoryWatch
 
 
 @dataclass(frozen=True)
@@ -238,17 +243,11 @@ def verdict_tags(verdict: dict[str, Any]) -> dict[str, str]:
             "pipprune.quality.max_kl": str(verdict["max_kl"]), "pipprune.quality.max_ppl_ratio": str(verdict["max_ppl_ratio"])}
 
 
-def memory_figures(num_params: int, dtype: str) -> dict[str, float]:
-    """The process's peak resident memory so far (the kernel's own high-water mark), and over the weights."""
-    import resource
-    import sys
-
+def memory_figures(watch: MemoryWatch, num_params: int, dtype: str) -> dict[str, float]:
+    """The process's peak resident memory so far, its baseline, and both over the weights in the run's dtype."""
     import torch
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    weights = num_params * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return {"run.peak_rss_bytes": float(peak), "run.weights_bytes": float(weights),
-            "run.peak_rss_over_weights": peak / weights}
+    return watch.figures(num_params * torch.empty((), dtype=getattr(torch, dtype)).element_size())
 
 
 def version_tags(config: CompressConfig, lineage: dict[str, str], model: ModelRef, run_id: str,
@@ -288,4 +287,6 @@ def summary(run: RunContext, version: str, model: ModelRef, history: list[dict],
         metrics_before_recovery=resumed.pre_recovery, tasks=list(ev.tasks), tasks_origin=ev.tasks_origin,
         quality=judgement.verdict, samples=judgement.samples,
         peak_rss_bytes=int(judgement.memory["run.peak_rss_bytes"]),
-        peak_rss_over_weights=judgement.memory["run.peak_rss_over_weights"])
+        peak_rss_over_weights=judgement.memory["run.peak_rss_over_weights"],
+        baseline_rss_bytes=int(judgement.memory["run.baseline_rss_bytes"]),
+        run_memory_over_weights=judgement.memory["run.run_memory_over_weights"])

@@ -171,6 +171,9 @@ class RuntimeSettings(_Group):
 
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N (auto: CUDA when present, else CPU)")
     dtype: str = Field("auto", description="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own)")
+    activation_budget: float | None = Field(
+        0.5, ge=0, description="gradient checkpointing (scoring, recovery) when all layers' activations would "
+        "exceed this fraction of the weights: a lower peak for some recomputation; null: only when memory is short")
 
     @field_validator("device")
     @classmethod

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from pip_core import chunked_loss, families
 from pip_core.errors import CalibrationError, PipCoreError
+from pip_core.recompute import activation_checkpointing
 from pip_core.units import Unit, check_supported, decoder_layers, family_of, unit_tensors
 from pip_core.vocabulary import METHODS
 
@@ -445,34 +446,27 @@ def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=Non
         raise PipCoreError("no units to score")
     was_training = model.training
     model.eval()
-    if gradient_checkpointing:
-        if getattr(model.config, "attention_dropout", 0.0) or getattr(model.config, "hidden_dropout", 0.0):
-            raise PipCoreError("gradient checkpointing needs train mode; this model has dropout, which would "
-                               "make scores random")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()  # HF only checkpoints in train mode; without dropout the maths is identical
     torch.manual_seed(seed)
     try:
-        if method == "random":
-            return random_scores(units, seed)
-        if method == "magnitude":
-            return magnitude(model, units)
-        if tokenizer is None:
-            raise PipCoreError(f"method {method!r} needs a tokenizer")
-        if method.startswith("pip"):
-            kinds = {u.kind for u in units}
-            form = (default_form("block" if kinds == {"block"} else "width") if method == "pip"
-                    else method.removeprefix("pip_"))
-            if form in REPR_FORMS:
-                return repr_import(model, tokenizer, pairs or [], units, max_length, progress, form)
-            if form in REMOVAL_FORMS:
-                return removal_import(model, tokenizer, pairs or [], units, max_length, progress, form)
-            return pert_import(model, tokenizer, pairs or [], units, max_length, progress, form)
-        calib = list(texts) if texts is not None else [p[0] for p in (pairs or [])]
-        if method == "taylor":
-            return taylor(model, tokenizer, calib, units, max_length, progress)
-        return block_influence(model, tokenizer, calib, units, max_length, progress)
+        with activation_checkpointing(model, gradient_checkpointing):
+            if method == "random":
+                return random_scores(units, seed)
+            if method == "magnitude":
+                return magnitude(model, units)
+            if tokenizer is None:
+                raise PipCoreError(f"method {method!r} needs a tokenizer")
+            if method.startswith("pip"):
+                kinds = {u.kind for u in units}
+                form = (default_form("block" if kinds == {"block"} else "width") if method == "pip"
+                        else method.removeprefix("pip_"))
+                if form in REPR_FORMS:
+                    return repr_import(model, tokenizer, pairs or [], units, max_length, progress, form)
+                if form in REMOVAL_FORMS:
+                    return removal_import(model, tokenizer, pairs or [], units, max_length, progress, form)
+                return pert_import(model, tokenizer, pairs or [], units, max_length, progress, form)
+            calib = list(texts) if texts is not None else [p[0] for p in (pairs or [])]
+            if method == "taylor":
+                return taylor(model, tokenizer, calib, units, max_length, progress)
+            return block_influence(model, tokenizer, calib, units, max_length, progress)
     finally:
-        if gradient_checkpointing:
-            model.gradient_checkpointing_disable()
         model.train(was_training)

@@ -85,6 +85,7 @@ class Placement:
     fits: bool
     free_bytes: int
     plan: MemoryPlan
+    lean: bool = False  # checkpointing chosen to keep the run's peak near its weights, not because memory is short
 
     def describe(self) -> str:
         if not self.fits:
@@ -92,8 +93,9 @@ class Placement:
                     f"with gradient checkpointing, {self.free_bytes / 2**30:.2f} GiB is free on {self.device}")
         where = (f"device_map='auto' across the visible GPUs with CPU offload (weights exceed {self.device})"
                  if self.device_map else f"whole model on {self.device}")
-        ckpt = ", gradient checkpointing on (activations of all layers do not fit)" if self.gradient_checkpointing \
-            else ""
+        why = ("activations of all layers would outweigh the activation budget" if self.lean
+               else "activations of all layers do not fit")
+        ckpt = f", gradient checkpointing on ({why})" if self.gradient_checkpointing else ""
         return f"{where}, {self.dtype}{ckpt}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -107,27 +109,35 @@ def _offload_bytes() -> int:
 
 
 def plan_placement(model_config: dict, device: str = "auto", dtype: str = "auto", seq_len: int = 128,
-                   free_bytes: int | None = None, offload_bytes: int | None = None) -> Placement:
+                   free_bytes: int | None = None, offload_bytes: int | None = None,
+                   activation_budget: float | None = None) -> Placement:
     """Decide device, dtype, device map and gradient checkpointing from the config alone (no weights loaded).
 
-    `free_bytes` / `offload_bytes` override the measured free memory of the device / of all GPUs + host.
+    `free_bytes` / `offload_bytes` override the measured free memory of the device / of all GPUs + host;
+    `activation_budget` (see `decide`) trades recomputation for a peak near the weights.
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, model_config)
     free = available_bytes(dev) if free_bytes is None else free_bytes
-    return decide(model_config, dev, dt, seq_len, free, offload_bytes)
+    return decide(model_config, dev, dt, seq_len, free, offload_bytes, activation_budget)
 
 
 def decide(model_config: dict, device: str, dtype: str, seq_len: int, free: int,
-           offload_bytes: int | None = None) -> Placement:
-    """The decision for a resolved device and dtype with `free` bytes on it (pure but for `offload_bytes=None`)."""
+           offload_bytes: int | None = None, activation_budget: float | None = None) -> Placement:
+    """The decision for a resolved device and dtype with `free` bytes on it (pure but for `offload_bytes=None`).
+
+    With `activation_budget` set, gradient checkpointing is also chosen when storing every layer's
+    activations would take more than that fraction of the weights: a run's peak memory is what a
+    user sizes the machine by, and on small models the activations, not the weights, set it.
+    """
     dev, dt = device, dtype
     full = plan_memory(model_config, dtype=dt, seq_len=seq_len)
-    if full.peak_scoring <= free:
+    lean = activation_budget is not None and full.activations > activation_budget * full.weights
+    if full.peak_scoring <= free and not lean:
         return Placement(dev, dt, None, False, True, free, full)
     ckpt = plan_memory(model_config, dtype=dt, seq_len=seq_len, gradient_checkpointing=True)
     if ckpt.peak_scoring <= free:
-        return Placement(dev, dt, None, True, True, free, ckpt)
+        return Placement(dev, dt, None, True, True, free, ckpt, lean=full.peak_scoring <= free)
     if dev.startswith("cuda"):
         spread = _offload_bytes() if offload_bytes is None else offload_bytes
         return Placement(dev, dt, "auto", True, ckpt.peak_scoring <= spread, spread, ckpt)

@@ -110,10 +110,12 @@ def placement_for(ref: ModelRef, runtime: RuntimeSettings, seq_len: int = 128, l
     `loaded=True` when the weights already sit on the device: their bytes count as available.
     """
     config = core_io.read_config(ensure_local(ref))
-    placement = plan_placement(config, runtime.device, runtime.dtype, seq_len)
+    placement = plan_placement(config, runtime.device, runtime.dtype, seq_len,
+                               activation_budget=runtime.activation_budget)
     if loaded and not placement.device_map:
         placement = plan_placement(config, runtime.device, runtime.dtype, seq_len,
-                                   free_bytes=placement.free_bytes + placement.plan.weights)
+                                   free_bytes=placement.free_bytes + placement.plan.weights,
+                                   activation_budget=runtime.activation_budget)
     return placement
 
 

@@ -18,10 +18,11 @@ from pydantic import BaseModel, ConfigDict
 from infra.calibration import CalibrationSource, load_calibration
 from infra.config import RecoverySettings, RuntimeSettings
 from pip_core import io as core_io
-from pip_core.recovery import recover_kd, recover_lora
+from pip_core.recompute import activation_checkpointing
+from pip_core.recovery import RecoveryReport, recover_kd, recover_lora
 from tasks._common import content_key, key_from
 from tasks.calibration import read_heldout
-from tasks.models import load_model, save_model
+from tasks.models import load_model, placement_for, save_model
 from tasks.refs import CalibrationRef, ModelRef
 
 log = logging.getLogger(__name__)
@@ -59,17 +60,10 @@ def recover(model: ModelRef, calib: CalibrationRef, calibration: str, source_dig
     texts = [t for t in data["text"] if t not in held][:settings.max_texts]
     log.info("%s recovery on %d calibration texts (%d held out)", describe(settings), len(texts), len(held))
     net, tokenizer = load_model(model, runtime, for_update=True, seq_len=max_length)
+    lean = placement_for(model, runtime, max_length, loaded=True).gradient_checkpointing
     start = time.perf_counter()
-    if settings.kind == "kd":
-        # read like any model but kept out of the hand-off, which must keep the model being trained
-        dense = load_model(teacher, runtime, for_update=True, seq_len=max_length)[0]
-        out, report = recover_kd(net, dense, tokenizer, texts, steps=settings.steps, params=settings.kd_params,
-                                 rank=settings.rank, lr=settings.lr, batch_size=settings.batch_size,
-                                 max_length=max_length, temperature=settings.temperature, seed=seed)
-        del dense
-    else:
-        out, report = recover_lora(net, tokenizer, texts, steps=settings.steps, rank=settings.rank, lr=settings.lr,
-                                   batch_size=settings.batch_size, max_length=max_length, seed=seed)
+    with activation_checkpointing(net, lean):  # training's activations bounded as scoring's are
+        out, report = _train(net, tokenizer, texts, settings, seed, max_length, runtime, teacher)
     seconds = time.perf_counter() - start
     num_params = core_io.param_count(out)
     if num_params != model.num_params:
@@ -90,3 +84,16 @@ def describe(settings: RecoverySettings) -> str:
     if settings.kind == "kd":
         return f"KD ({settings.kd_params}, T={settings.temperature:g})"
     return "LoRA (LM loss)"
+
+
+def _train(net, tokenizer, texts: list[str], settings: RecoverySettings, seed: int, max_length: int,  # noqa: ANN001
+           runtime: RuntimeSettings, teacher: ModelRef | None) -> tuple[object, RecoveryReport]:
+    """The configured kind of recovery on the model in hand."""
+    if settings.kind != "kd":
+        return recover_lora(net, tokenizer, texts, steps=settings.steps, rank=settings.rank, lr=settings.lr,
+                            batch_size=settings.batch_size, max_length=max_length, seed=seed)
+    # read like any model but kept out of the hand-off, which must keep the model being trained
+    dense = load_model(teacher, runtime, for_update=True, seq_len=max_length)[0]
+    return recover_kd(net, dense, tokenizer, texts, steps=settings.steps, params=settings.kd_params,
+                      rank=settings.rank, lr=settings.lr, batch_size=settings.batch_size,
+                      max_length=max_length, temperature=settings.temperature, seed=seed)

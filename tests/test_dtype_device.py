@@ -149,6 +149,49 @@ def test_placement_whole_checkpointed_spread_or_refused():
     assert decide(_llama3_8b(), "cpu", "float32", 128, free=80 * gib).plan.weights == 2 * whole.plan.weights
 
 
+def _smollm2_135m() -> dict:
+    return dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, dtype="float32")
+
+
+def test_activation_budget_checkpoints_a_small_model_whose_activations_outweigh_its_budget():
+    """SmolLM2-135M at 128 tokens: every layer's activations are ~0.7x its fp32 weights, so a 0.5 budget checkpoints
+    it although memory is plentiful; without a budget, or with a larger one, it runs whole; an 8B model never needs it."""
+    from pip_core.placement import decide
+
+    gib = 2**30
+    lean = decide(_smollm2_135m(), "cpu", "float32", 128, free=20 * gib, activation_budget=0.5)
+    assert lean.plan.activations < decide(_smollm2_135m(), "cpu", "float32", 128, free=20 * gib).plan.activations
+    assert (lean.gradient_checkpointing, lean.lean, lean.fits) == (True, True, True)
+    assert "activation budget" in lean.describe()
+    for budget in (None, 1.0):
+        whole = decide(_smollm2_135m(), "cpu", "float32", 128, free=20 * gib, activation_budget=budget)
+        assert (whole.gradient_checkpointing, whole.lean) == (False, False)
+    big = decide(_llama3_8b(), "cuda:0", "bfloat16", 128, free=80 * gib, activation_budget=0.5)
+    assert big.gradient_checkpointing is False
+    short = decide(_llama3_8b(), "cuda:0", "bfloat16", 4096, free=40 * gib, activation_budget=0.5)
+    assert short.gradient_checkpointing and "do not fit" in short.describe()  # the reason stays memory, not budget
+
+
+def test_activation_checkpointing_context_restores_the_model():
+    """On inside the block (train mode, HF flag set), off and back in the caller's mode after, even on error."""
+    import pytest as _pytest
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pip_core.recompute import activation_checkpointing
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    with activation_checkpointing(model, True):
+        assert model.training and model.is_gradient_checkpointing
+    assert not model.training and not model.is_gradient_checkpointing
+    with _pytest.raises(RuntimeError), activation_checkpointing(model, True):
+        raise RuntimeError("boom")
+    assert not model.training and not model.is_gradient_checkpointing
+    with activation_checkpointing(model, False):
+        assert not model.training and not model.is_gradient_checkpointing
+
+
 def test_logits_term_does_not_grow_with_sequence_length():
     from pip_core.memory_plan import plan_memory
 

@@ -31,8 +31,10 @@ def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> No
         console.print(samples)
     _print_verdict(console, summary.quality)
     if summary.peak_rss_bytes:
+        own = (f"; {summary.run_memory_over_weights:.2f}x above the {summary.baseline_rss_bytes / 2**30:.2f} GiB "
+               "the process held before reading a model" if summary.baseline_rss_bytes else "")
         console.print(f"peak memory: {summary.peak_rss_bytes / 2**30:.2f} GiB resident "
-                      f"({summary.peak_rss_over_weights:.2f}x the weights in the run's dtype)")
+                      f"({summary.peak_rss_over_weights:.2f}x the weights in the run's dtype{own})")
     console.print(f"MLflow run: {summary.mlflow_run_id}  ({settings.mlflow_tracking_uri})")
     console.print(f"Registered: {summary.registered_model} version {summary.model_version}")
     console.print(f"S3 checkpoint: {summary.s3_uri}")

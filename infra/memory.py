@@ -1,0 +1,71 @@
+"""The process's resident memory: an allocator that hands freed blocks back, and the run's peak against a baseline.
+
+glibc raises its mmap threshold every time a large block is freed (up to 32 MiB), after which
+tensors of a few MiB come from heap arenas that are rarely returned to the system: on the real
+reference a LoRA-KD step then grew the process by 1.6 GB where its tensors needed 0.2 GB. Fixing
+the threshold at glibc's own default keeps every tensor above it in its own mapping, released
+when freed. Peaks are the kernel's high-water mark; the baseline is what the interpreter and the
+libraries hold before any model is read, so the rest is what the run itself needed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import resource
+import sys
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+_M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
+MMAP_THRESHOLD = 128 * 1024  # glibc's initial value, made fixed
+
+
+def fix_allocator() -> bool:
+    """Fix glibc's mmap threshold so freed tensors go back to the system; False where libc is not glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):  # musl and others have no mallopt
+        return False
+
+
+def resident_bytes() -> int:
+    """Resident memory of this process now (0 where /proc is not available)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def peak_bytes() -> int:
+    """The process's peak resident memory so far (the kernel's high-water mark)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+@dataclass(frozen=True)
+class MemoryWatch:
+    """Started when a run starts: the allocator fixed and the baseline read, before any model is loaded."""
+
+    baseline_bytes: int
+    allocator_fixed: bool
+
+    @classmethod
+    def start(cls) -> MemoryWatch:
+        fixed = fix_allocator()
+        return cls(baseline_bytes=resident_bytes(), allocator_fixed=fixed)
+
+    def figures(self, weights_bytes: int) -> dict[str, float]:
+        """Peak, baseline, weights, and the peak over the weights: whole and less the baseline."""
+        peak = peak_bytes()
+        return {"run.peak_rss_bytes": float(peak), "run.baseline_rss_bytes": float(self.baseline_bytes),
+                "run.weights_bytes": float(weights_bytes), "run.peak_rss_over_weights": peak / weights_bytes,
+                "run.run_memory_over_weights": max(peak - self.baseline_bytes, 0) / weights_bytes}
