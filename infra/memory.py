@@ -34,21 +34,27 @@ def fix_allocator() -> bool:
         return False
 
 
-def resident_bytes() -> int:
-    """Resident memory of this process now (0 where /proc is not available)."""
+def _status_bytes(field: str) -> int:
+    """A `Vm...:` figure of /proc/self/status in bytes (0 where /proc is not available)."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
 
 
+def resident_bytes() -> int:
+    """Resident memory of this process now."""
+    return _status_bytes("VmRSS")
+
+
 def peak_bytes() -> int:
-    """The process's peak resident memory so far (the kernel's high-water mark)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    """The process's peak resident memory so far: the kernel's high-water mark (getrusage lags it slightly)."""
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return max(maxrss, _status_bytes("VmHWM"), resident_bytes())
 
 
 @dataclass(frozen=True)
