@@ -57,7 +57,6 @@ class RunContext:
     lineage: dict[str, str]
     source: SourceRef
     calib: CalibrationRef
-    source_digest: str
 
 
 @dataclass(frozen=True)

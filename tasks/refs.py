@@ -31,6 +31,13 @@ class SourceRef(_Ref):
 
 
 class CalibrationRef(_Ref):
+    """The prepared calibration: pairs and held-out texts on disk, and what every task needs of the source.
+
+    `source_path` is the resolved calibration file, `source_digest` the content of that file and its
+    word list (`infra.calibration.CalibrationSource.digest`), `max_length` the tokens per text every
+    task truncates to; so no task rebuilds the source from the raw config string.
+    """
+
     pairs_path: str
     heldout_path: str
     data_hash: str
@@ -38,6 +45,9 @@ class CalibrationRef(_Ref):
     n_pairs: int
     n_skipped: int
     n_heldout: int
+    source_path: str
+    source_digest: str
+    max_length: int
 
 
 class StatsRef(_Ref):

@@ -62,15 +62,16 @@ def scoring_options(scoring: ScoringSettings, max_length: int, gradient_checkpoi
                           align=scoring.align)
 
 
-@task(name="score-units", cache_key_fn=key_from("model", "calib", "scoring", "spec", "max_length", "runtime"),
+@task(name="score-units", cache_key_fn=key_from("model", "calib", "scoring", "spec", "runtime"),
       persist_result=True, result_serializer="json")
 def score_units(model: ModelRef, calib: CalibrationRef, scoring: ScoringSettings, spec: StepSpec,
-                max_length: int, runtime: RuntimeSettings = RuntimeSettings()) -> StatsRef:
+                runtime: RuntimeSettings = RuntimeSettings()) -> StatsRef:
     """Score every unit of `model` with the configured method (PIP: dual-view gradient differences).
 
     Gradients are reduced to float32/float64 per unit whatever the weights' dtype; gradient
     checkpointing is switched on when the plan says the activations do not fit.
     """
+    max_length = calib.max_length
     net, tokenizer = load_model(model, runtime, seq_len=max_length)
     placement = placement_for(model, runtime, max_length, loaded=True)
     started = time.perf_counter()

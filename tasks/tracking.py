@@ -196,11 +196,11 @@ DATASET_SOURCE_TAG = "pipprune.dataset.{context}.source"
 
 
 @task(name="log-datasets", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
-def log_datasets(run_id: str, source: str, calib: CalibrationRef) -> dict[str, str]:
+def log_datasets(run_id: str, calib: CalibrationRef) -> dict[str, str]:
     """The calibration pairs and held-out texts as MLflow datasets, inputs of the run.
 
-    Contexts "calibration" and "evaluation"; the source is where the texts came from (path or
-    URI); the digest is the first 32 hex digits of the content hash pipprune keys everything on
+    Contexts "calibration" and "evaluation"; the source is the calibration file the texts came from
+    (`calib.source_path`); the digest is the first 32 hex digits of the content hash pipprune keys everything on
     (MLflow stores at most 36 characters): `pipprune.calibration_hash` for the calibration set,
     the same hash over the held-out texts for the evaluation set. The digests are also run tags,
     so the registered version and `pipprune lineage` can carry and check them.
@@ -209,13 +209,13 @@ def log_datasets(run_id: str, source: str, calib: CalibrationRef) -> dict[str, s
     import pandas as pd
     from mlflow.entities import DatasetInput, InputTag
 
-    from infra.calibration import CalibrationSource, calibration_hash
+    from infra.calibration import calibration_hash
     from tasks.calibration import read_heldout, read_pairs
 
     pairs = pd.DataFrame(read_pairs(calib), columns=["original", "perturbed"])
     held = read_heldout(calib)
     heldout = pd.DataFrame({"text": held})
-    uri = source if "://" in source else str(CalibrationSource(source).path)
+    uri = calib.source_path
     datasets = {
         "calibration": mlflow.data.from_pandas(pairs, source=uri, name=f"calibration-{calib.data_hash[:8]}",
                                                digest=calib.data_hash[:32]),
