@@ -20,10 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from infra.tags import EVAL_PREFIX
+
 SCHEMA = 1
 #: the MLflow artifact holding the full record
 ARTIFACT = "eval_provenance.json"
-TAG_PREFIX = "pipprune.eval."
+TAG_PREFIX = EVAL_PREFIX
 #: MLflow caps a tag value (5000 chars for model version tags); the full record is in the artifact
 _TAG_MAX = 4000
 

@@ -188,13 +188,6 @@ class BudgetPlan:
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "achieved_ratio": self.achieved_ratio}
 
-    def tags(self) -> dict[str, str]:
-        """Tags of the run and the registered version: what was asked, what was planned, the alignment."""
-        return {"pipprune.target": self.target, "pipprune.align": str(self.align),
-                "pipprune.align_effective": str(self.effective_align),
-                "pipprune.planned_params": str(self.params_after),
-                "pipprune.planned_ratio": f"{self.achieved_ratio:.6f}",
-                "pipprune.planned_memory_bytes": str(self.memory_after)}
 
 
 @dataclass(frozen=True)

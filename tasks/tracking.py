@@ -18,6 +18,7 @@ from prefect import task
 
 from infra import run_info
 from infra.mlflow_utils import flatten_params, mlflow_client
+from infra.tags import DATASET_DIGEST, DATASET_SOURCE, RUN_KEY
 from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
 from tasks.refs import CalibrationRef
 
@@ -31,7 +32,7 @@ def open_tracking_run(run_key: str, params: dict[str, Any], tags: dict[str, str]
     """Create the MLflow run of this flow run (with MLflow's standard source tags); returns its id."""
     client = mlflow_client()
     run = client.create_run(experiment_id(client), run_name=f"compress-{run_key[:8]}",
-                            tags={"pipprune.run_key": run_key, **tags, **run_info.source_tags(tags),
+                            tags={RUN_KEY: run_key, **tags, **run_info.source_tags(tags),
                                   run_info.DESCRIPTION_TAG: run_info.describe_running(params)})
     client.log_batch(run.info.run_id, params=_params(params))
     return run.info.run_id
@@ -191,8 +192,8 @@ def tracking_run(run_key: str, params: dict[str, Any], tags: dict[str, str]) -> 
 
 
 #: run tags holding each logged dataset's MLflow digest; the registered version copies them
-DATASET_DIGEST_TAG = "pipprune.dataset.{context}.digest"
-DATASET_SOURCE_TAG = "pipprune.dataset.{context}.source"
+DATASET_DIGEST_TAG = DATASET_DIGEST
+DATASET_SOURCE_TAG = DATASET_SOURCE
 
 
 @task(name="log-datasets", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)

@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 
+from infra.tags import RUN_KEY, S3_URI, SOURCE_MODEL
 from pipprune.commands.common import FAILED, UNREACHABLE, json_output
 from pipprune.commands.common import fail as _fail
 
@@ -106,8 +107,8 @@ def _precheck(settings, name: str, version: str, quants: list[str], heldout: Pat
     if is_export(tags):
         _fail(f"{name} v{mv.version} is itself a GGUF export; export its parent "
               f"{tags.get(TAGS['parent_name'])} v{tags.get(TAGS['parent_version'])}")
-    uri = tags.get("pipprune.s3_uri")
-    if not uri or "pipprune.run_key" not in tags:
+    uri = tags.get(S3_URI)
+    if not uri or RUN_KEY not in tags:
         _fail(f"{name} v{mv.version} was not registered by pipprune compress (no S3 checkpoint tags)")
     store = CheckpointStore.for_uri(settings, uri)
     try:
@@ -129,7 +130,7 @@ def _precheck(settings, name: str, version: str, quants: list[str], heldout: Pat
         except GgufExportError as exc:
             _fail(f"{name} v{mv.version}: {exc}")
     if heldout is None:
-        heldout = Path(tags.get("pipprune.source_model", "")) / "tasks" / "persuasion.jsonl"
+        heldout = Path(tags.get(SOURCE_MODEL, "")) / "tasks" / "persuasion.jsonl"
         if not heldout.is_file():
             _fail(f"no held-out texts: the dense source has no {heldout.relative_to(heldout.parents[1])}; "
                   "pass --heldout FILE")

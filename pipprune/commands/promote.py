@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from infra.tags import S3_URI
 from pipprune.commands.common import FAILED, UNREACHABLE, json_output
 from pipprune.commands.common import fail as _fail
 
@@ -80,7 +81,7 @@ def _signature_verifier(settings, key: bytes | None):  # noqa: ANN001, ANN202
     from infra.signing import check_version_signature
 
     def verify(tags: dict[str, str]):  # noqa: ANN202
-        store = CheckpointStore.for_uri(settings, tags["pipprune.s3_uri"]) if tags.get("pipprune.s3_uri") else None
+        store = CheckpointStore.for_uri(settings, tags[S3_URI]) if tags.get(S3_URI) else None
         return check_version_signature(tags, store, key or _install_public_key(settings), settings.work_dir)
 
     return verify
