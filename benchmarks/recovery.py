@@ -49,7 +49,7 @@ def main() -> None:
         return
     from pip_core import io, schedule
     from pip_core.perplexity import perplexity
-    from pip_core.recovery import recover_lora
+    from pip_core.recovery import RecoveryOptions, recover_lora
 
     scratch = Path(tempfile.mkdtemp())
     model, tok = io.load(args.model)
@@ -63,7 +63,7 @@ def main() -> None:
                         **evaluate(model, tok, args.model, args.limit, scratch)}
     train = [json.loads(line)["text"] for line in open(args.model / "calibration" / "calibration.jsonl")]
     start = time.perf_counter()
-    model, report = recover_lora(model, tok, train, steps=args.steps, progress=False)
+    model, report = recover_lora(model, tok, train, RecoveryOptions(steps=args.steps, progress=False))
     seconds = time.perf_counter() - start
     stages["recovered"] = {"token_ppl": perplexity(model, tok, held)["perplexity"],
                            **evaluate(model, tok, args.model, args.limit, scratch)}
@@ -96,7 +96,7 @@ def compare(args: argparse.Namespace) -> None:
     from benchmarks.divergence import heldout_texts
     from pip_core import io, schedule
     from pip_core.divergence import doc_stats
-    from pip_core.recovery import recover_kd, recover_lora
+    from pip_core.recovery import RecoveryOptions, recover_kd, recover_lora
 
     seeds = [int(s) for s in args.seeds.split(",")]
     dense, tok = io.load(args.model, dtype="float32")
@@ -117,14 +117,14 @@ def compare(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             report = None
             if kind == "lora":
-                model, report = recover_lora(model, tok, train, steps=args.steps, lr=args.lr,
-                                             batch_size=args.batch_size, max_length=args.max_length, seed=seed,
-                                             progress=False)
+                model, report = recover_lora(model, tok, train, RecoveryOptions(
+                    steps=args.steps, lr=args.lr, batch_size=args.batch_size, max_length=args.max_length, seed=seed,
+                    progress=False))
             elif kind == "kd":
-                model, report = recover_kd(model, dense, tok, train, steps=args.steps, params=params,
-                                           lr=args.lr if params == "lora" else args.full_lr,
-                                           batch_size=args.batch_size, max_length=args.max_length,
-                                           temperature=args.temperature, seed=seed, progress=False)
+                model, report = recover_kd(model, dense, tok, train, RecoveryOptions(
+                    steps=args.steps, kd_params=params, lr=args.lr if params == "lora" else args.full_lr,
+                    batch_size=args.batch_size, max_length=args.max_length, temperature=args.temperature, seed=seed,
+                    progress=False))
             seconds = time.perf_counter() - start
             run = {"variant": name, "seed": seed, "train_seconds": seconds,
                    "tokens": report.tokens if report else 0,

@@ -64,7 +64,7 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     stage(f"inputs: {config.model}: {source.model.num_params:,} parameters; {calib.n_pairs} calibration pairs")
     with run_lock(Settings(), run_key), tracking_run(run_key, records.run_params(config, calib), lineage) as run_id:
         log_datasets(run_id, calib)
-        run = records.RunContext(config, run_key, run_id, lineage, source, calib)
+        run = records.RunContext(config, run_key, run_id, lineage, source, calib, out_dir, overwrite)
         # 2. the dense model, measured once while it is the model in hand (no copy of it is kept beside the pruned)
         dense = _measure_dense(run)
         # 3. prune in re-scored steps; each is checkpointed to S3, and a rerun resumes after the last one
@@ -73,7 +73,7 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
         pre_recovery = records.heldout(history[-1]) if config.recovery.enabled else None
         model = _recovery_stage(run, model, done, history)
         # 5. the compressed model measured as the dense one was, judged, signed, registered
-        return _finish(run, model, budget, dense, history, records.Resumed(len(done), pre_recovery), out_dir, overwrite)
+        return _finish(run, model, budget, dense, history, records.Resumed(len(done), pre_recovery))
 
 
 def _measure_dense(run: records.RunContext) -> records.DenseFigures:
@@ -135,7 +135,7 @@ def _recovery_stage(run: records.RunContext, model: ModelRef, done: list[dict], 
 
 
 def _finish(run: records.RunContext, model: ModelRef, budget: BudgetRef, dense: records.DenseFigures,
-            history: list[dict], resumed: records.Resumed, out_dir: str | None, overwrite: bool) -> CompressSummary:
+            history: list[dict], resumed: records.Resumed) -> CompressSummary:
     """lm-eval, serving and samples of the compressed model, the quality verdict, signature, version, summary."""
     config, rt, ev = run.config, run.config.runtime, run.config.evaluation
     final_eval = evaluate(model, ev.tasks, ev.include_path, tasks_digest(ev.include_path), ev.limit, rt)
@@ -152,14 +152,14 @@ def _finish(run: records.RunContext, model: ModelRef, budget: BudgetRef, dense: 
     version = register_model(config.registered_model_name, model, run.run_id, {
         **records.version_tags(config, run.lineage, model, run.run_id, signature, provenance), **budget_tags,
         **serving, **records.verdict_tags(verdict)})
-    summary = records.summary(run, version, model, history, dense, final_eval.results, resumed, out_dir,
+    summary = records.summary(run, version, model, history, dense, final_eval.results, resumed,
                               records.Judgement(verdict=verdict, samples=samples, memory=memory))
     log_final(run.run_id, records.final_metrics(run.source.model.num_params, model, history, dense, final_eval.results,
                                                 memory), summary.model_dump())
     stage(f"registered {config.registered_model_name} version {version}: {verdict['verdict']}")
     summary.exports = export_stage(config, version, model, run.source.model, run.run_id, run.calib)  # optional: GGUF
-    if out_dir:
-        export(model, Path(out_dir), summary, overwrite)
+    if run.out_dir:
+        export(model, Path(run.out_dir), summary, run.overwrite)
     return summary
 
 

@@ -89,6 +89,9 @@ class RunContext:
     lineage: dict[str, str]
     source: SourceRef
     calib: CalibrationRef
+    #: where the final model is copied (None: nowhere), and whether a previous pipprune output there may be replaced
+    out_dir: str | None = None
+    overwrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -308,11 +311,11 @@ def recovery_tags(config: CompressConfig) -> dict[str, str]:
 
 
 def summary(run: RunContext, version: str, model: ModelRef, history: list[dict], dense: DenseFigures,
-            final_eval: dict, resumed: Resumed, out_dir: str | None, judgement: Judgement) -> CompressSummary:
+            final_eval: dict, resumed: Resumed, judgement: Judgement) -> CompressSummary:
     total, ev = run.source.model.num_params, run.config.evaluation
     return CompressSummary(
         run_key=run.run_key, mlflow_run_id=run.run_id, registered_model=run.config.registered_model_name,
-        model_version=version, s3_uri=model.s3_uri or "", out_dir=out_dir, params_before=total,
+        model_version=version, s3_uri=model.s3_uri or "", out_dir=run.out_dir, params_before=total,
         params_after=model.num_params, achieved_ratio=removed_fraction(total, model.num_params),
         metrics_before={**heldout(history[0]), **flatten_eval("eval", dense.lm_eval.results)},
         metrics_after={**heldout(history[-1]), **flatten_eval("eval", final_eval)}, iterations_resumed=resumed.steps,

@@ -62,13 +62,10 @@ def recover(model: ModelRef, calib: CalibrationRef, settings: RecoverySettings, 
     if settings.kind == "kd":
         # read like any model but kept out of the hand-off, which must keep the model being trained
         dense = load_model(teacher, runtime, for_update=True, seq_len=max_length)[0]
-        out, report = recover_kd(net, dense, tokenizer, texts, steps=settings.steps, params=settings.kd_params,
-                                 rank=settings.rank, lr=settings.lr, batch_size=settings.batch_size,
-                                 max_length=max_length, temperature=settings.temperature, seed=seed)
+        out, report = recover_kd(net, dense, tokenizer, texts, settings.options(max_length, seed))
         del dense
     else:
-        out, report = recover_lora(net, tokenizer, texts, steps=settings.steps, rank=settings.rank, lr=settings.lr,
-                                   batch_size=settings.batch_size, max_length=max_length, seed=seed)
+        out, report = recover_lora(net, tokenizer, texts, settings.options(max_length, seed))
     seconds = time.perf_counter() - start
     num_params = core_io.param_count(out)
     if num_params != model.num_params:

@@ -251,13 +251,13 @@ def test_unreachable_target_is_refused(tok):
 
 def test_lora_recovery_lowers_loss_and_merges_into_a_plain_directory(tok, trained, tmp_path):
     from pip_core.perplexity import perplexity
-    from pip_core.recovery import recover_lora
+    from pip_core.recovery import RecoveryOptions, recover_lora
 
     model = copy.deepcopy(trained)
     schedule.prune_iteratively(model, tok, schedule.ScoringOptions("magnitude", "width", protect_first=0, protect_last=0),
                                0.3, 1, progress=False)
     before = perplexity(model, tok, SENTENCES)["perplexity"]
-    model, report = recover_lora(model, tok, SENTENCES, steps=30, batch_size=4, progress=False)
+    model, report = recover_lora(model, tok, SENTENCES, RecoveryOptions(steps=30, batch_size=4, progress=False))
     assert perplexity(model, tok, SENTENCES)["perplexity"] < before
     assert report.last_loss < report.first_loss
     io.save_pruned(model, tok, tmp_path / "r")
