@@ -103,7 +103,13 @@ def heldout_record(tokenizer, texts: Sequence[str], max_length: int, source: str
     """The held-out set behind perplexity and the KL / top-1 / ppl-ratio figures: digest, documents, tokens."""
     payload = json.dumps(list(texts), ensure_ascii=False).encode()
     tokens = sum(max(len(tokenizer(t, truncation=True, max_length=max_length)["input_ids"]) - 1, 0) for t in texts)
-    out = {"source": source, "sha256": _sha256(payload), "documents": len(texts), "tokens": int(tokens),
+    return heldout_figures(source, _sha256(payload), len(texts), tokens, max_length, chunk_tokens)
+
+
+def heldout_figures(source: str, sha256: str, documents: int, tokens: int, max_length: int,
+                    chunk_tokens: int | None = None) -> dict:
+    """The held-out record's shape, shared by the flow (`heldout_record`) and `pipprune eval --reference`."""
+    out = {"source": source, "sha256": sha256, "documents": int(documents), "tokens": int(tokens),
            "max_length": int(max_length), "kl": "mean per predicted token of KL(dense || model), natural log",
            "ppl_ratio": "exp(mean NLL model - mean NLL dense) over the same tokens"}
     if chunk_tokens is not None:

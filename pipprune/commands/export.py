@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from infra.tags import RUN_KEY, S3_URI, SOURCE_MODEL
-from pipprune.commands.common import FAILED, UNREACHABLE, json_output
+from pipprune.commands.common import FAILED, json_output, runtime
 from pipprune.commands.common import fail as _fail
 
 FORMATS = ("gguf",)
@@ -40,7 +40,7 @@ def export(
     """Write a registered version as GGUF, measure it against the dense model, sign it and register it as a child."""
     with json_output(json_out) as doc:
         quants = _check_request(fmt, quant, heldout)
-        settings = _runtime(auto_stack)
+        settings = runtime(auto_stack)
         heldout_path = _precheck(settings, name, version, quants, heldout)
         summaries = _run(name, version, quants, str(heldout_path), max_length, registered_name)
         if json_out:
@@ -73,21 +73,6 @@ def _check_heldout(path: Path) -> None:
         read_texts(path)
     except PipCoreError as exc:
         _fail(f"--heldout: {exc}")
-
-
-def _runtime(auto_stack: bool | None):  # noqa: ANN202 - infra.settings.Settings
-    from infra.preflight import PreflightError, ServiceUnreachable, check_services
-    from infra.runtime import StackDown, prepare_runtime
-    from infra.stack import StackError
-
-    try:
-        settings = prepare_runtime(auto_stack=auto_stack)
-        check_services(settings)
-    except (ServiceUnreachable, StackDown, StackError) as exc:
-        _fail(str(exc), code=UNREACHABLE)
-    except PreflightError as exc:
-        _fail(str(exc))
-    return settings
 
 
 def _precheck(settings, name: str, version: str, quants: list[str], heldout: Path | None) -> Path:  # noqa: ANN001
