@@ -177,3 +177,31 @@ def test_a_model_with_nothing_prunable_is_refused_without_a_nonsense_suggestion(
         plan_budget(config, Target.parse("ratio=0.2"), unit="block", width_mode="uniform", iterations=2, align=1,
                     protect_first=1, protect_last=1)
     assert err.value.nearest is None
+
+
+@pytest.mark.parametrize("unit, ratio", [("block", "0.15"), ("attn", "0.08"), ("mlp", "0.25"), ("width", "0.25")])
+def test_pipprune_plan_and_a_run_remove_the_same_amount_for_every_unit_kind(tiny_reference_dir, unit, ratio):
+    """`pipprune plan` (its defaults: the config's) and a run of the same job (the flow's own mapping from config to
+    scoring options, the planned ratio and alignment) end at the same parameter count, step by step."""
+    import subprocess
+    import sys
+
+    from infra.budgeting import plan_for
+    from infra.config import CompressConfig
+    from tasks.scoring import scoring_options
+
+    result = subprocess.run([sys.executable, "-m", "pipprune.cli", "plan", "--model", str(tiny_reference_dir), "--unit",
+                             unit, "--ratio", ratio, "--iterations", "2", "--json"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    planned = json.loads(result.stdout)["budget"]
+    config = CompressConfig(model=str(tiny_reference_dir), calibration=str(tiny_reference_dir), ratio=float(ratio),
+                            scoring={"unit": unit, "iterations": 2, "method": "magnitude"})
+    budget = plan_for(config, io.read_config(tiny_reference_dir))
+    assert budget.as_dict() == planned  # the CLI plans the job the flow plans
+    options = scoring_options(config.scoring.model_copy(update={"align": budget.effective_align}), 64)
+    model, tokenizer = io.load(tiny_reference_dir)
+    run = schedule.prune_iteratively(model, tokenizer, options, budget.ratio, budget.iterations, seed=config.seed,
+                                     progress=False)
+    assert [s.num_params for s in run.steps] == [s["num_params"] for s in planned["steps"]]
+    assert run.params_after == planned["params_after"]
