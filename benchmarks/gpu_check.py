@@ -156,6 +156,7 @@ def serving_rows(tok, size: str, device: str, dtype: torch.dtype, ratio: float =
     from benchmarks.serving import speed_row
     from pip_core import schedule
     from pip_core.budget import plan_budget
+    from pip_core.rules import Selection
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -165,7 +166,7 @@ def serving_rows(tok, size: str, device: str, dtype: torch.dtype, ratio: float =
     measure = dict(new_tokens=64, batch_sizes=(1, 8), repeats=3)
     rows = []
     for unit, align in (("block", 1), ("width", 64), ("width", 1)):
-        plan = plan_budget(dense.config.to_dict(), f"ratio={ratio}", unit=unit, iterations=2, align=align)
+        plan = plan_budget(dense.config.to_dict(), f"ratio={ratio}", Selection(unit=unit, align=align), iterations=2)
         pruned = copy.deepcopy(dense)
         # random-init weights: the speed depends on the kept shapes only, so a gradient-free criterion picks them
         options = schedule.ScoringOptions("magnitude", unit, width_mode="uniform", align=plan.effective_align)

@@ -80,6 +80,7 @@ def _write(model_dir: Path, config: dict, args: argparse.Namespace, rows: list[d
 def main() -> None:
     from pip_core import io, schedule, serving
     from pip_core.budget import plan_budget
+    from pip_core.rules import Selection
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, default=None)
@@ -99,7 +100,7 @@ def main() -> None:
     rows = []
     for ratio in [float(r) for r in args.ratios.split(",")]:
         for unit, align in runs:
-            plan = plan_budget(config, f"ratio={ratio}", unit=unit, iterations=2, align=align)
+            plan = plan_budget(config, f"ratio={ratio}", Selection(unit=unit, align=align), iterations=2)
             pruned, _ = io.load(model_dir)
             options = schedule.ScoringOptions("pip", unit, width_mode="uniform", align=plan.effective_align)
             schedule.prune_iteratively(pruned, tokenizer, options, plan.ratio, 2, pairs=pairs, progress=False)

@@ -278,11 +278,12 @@ class _Planner:
             return None
 
 
-def plan_budget(config: dict, target: Target | str, *, unit: str = "width", width_mode: str = "uniform",
-                iterations: int = 1, align: int = 64, protect_first: int = 1, protect_last: int = 1,
-                dtype: str = "auto", serving: Serving | None = None) -> BudgetPlan:
+def plan_budget(config: dict, target: Target | str, selection: rules.Selection = rules.Selection(), *,
+                iterations: int = 1, dtype: str = "auto", serving: Serving | None = None) -> BudgetPlan:
     """The plan for `target` on the model `config` describes, or BudgetError naming the nearest feasible target."""
     target = Target.parse(target) if isinstance(target, str) else target
+    unit, width_mode, align = selection.unit, selection.width_mode, selection.align
+    protect_first, protect_last = selection.protect_first, selection.protect_last
     if unit not in KINDS:
         raise PipCoreError(f"unknown unit kind {unit!r}; use one of {sorted(KINDS)}")
     if iterations < 1:

@@ -9,6 +9,24 @@ from the run (tests/test_budget.py checks the two agree for every unit kind).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a step may cut: the unit kind, uniform or per-layer widths, the MLP alignment, the protected layers.
+
+    The field names are the config's (`infra.config.ScoringSettings`), so the job's scoring group maps onto it whole.
+    """
+
+    unit: str = "width"
+    #: "uniform": every layer keeps the same widths (stock config); "per_layer": each its own
+    width_mode: str = "uniform"
+    #: uniform widths: every layer keeps a multiple of `align` MLP channels (1: any width)
+    align: int = 64
+    protect_first: int = 1
+    protect_last: int = 1
+
 
 #: every decoder layer keeps at least this many units of each width kind (attention group, MLP channel)
 KEEP_PER_LAYER = 1

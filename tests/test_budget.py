@@ -13,6 +13,7 @@ from pip_core import io, schedule, units
 from pip_core.alignment import allowed_cuts, effective_align
 from pip_core.budget import BudgetError, Serving, Target, plan_budget
 from pip_core.errors import PipCoreError
+from pip_core.rules import Selection
 from tests.helpers import bpe_tokenizer, tiny_family_model
 
 TEXTS = ["The host said he would come later to the party at the house.",
@@ -55,7 +56,7 @@ def test_alignment_grid_and_clamp():
 def test_params_target_lands_within_one_unit_on_the_tiny_reference(tiny_reference_dir, unit, align):
     config = json.loads((tiny_reference_dir / "config.json").read_text())
     n = 600_000
-    plan = plan_budget(config, f"params={n}", unit=unit, iterations=2, align=align)
+    plan = plan_budget(config, f"params={n}", Selection(unit=unit, align=align), iterations=2)
     assert abs(plan.params_after - n) <= plan.granularity, plan
     model, tokenizer = io.load(tiny_reference_dir)
     assert units.param_count(model) == plan.params_before
@@ -70,7 +71,7 @@ def test_params_target_through_the_planner_on_other_families(tok, model_type):
     config = model.config.to_dict()
     total = units.param_count(model)
     n = int(total * 0.75)
-    plan = plan_budget(config, f"params={n}", unit="width", iterations=2, align=64)
+    plan = plan_budget(config, f"params={n}", Selection(unit="width", align=64), iterations=2)
     assert plan.params_before == total and plan.effective_align == 64
     assert abs(plan.params_after - n) <= plan.granularity
     result = _prune(model, plan, "width", tok)
@@ -80,8 +81,9 @@ def test_params_target_through_the_planner_on_other_families(tok, model_type):
 
 def test_memory_target_fits_and_counts_the_kv_cache(tiny_reference_dir):
     config = json.loads((tiny_reference_dir / "config.json").read_text())
-    weights_only = plan_budget(config, "memory=2.9MiB", unit="width", align=1)
-    with_cache = plan_budget(config, "memory=2.9MiB", unit="width", align=1, serving=Serving(context=64, batch=2))
+    weights_only = plan_budget(config, "memory=2.9MiB", Selection(unit="width", align=1))
+    with_cache = plan_budget(config, "memory=2.9MiB", Selection(unit="width", align=1),
+                             serving=Serving(context=64, batch=2))
     assert weights_only.memory_after <= 2.9 * 2**20 and with_cache.memory_after <= 2.9 * 2**20
     assert with_cache.kv_cache_after > 0 and with_cache.params_after < weights_only.params_after
     last = with_cache.steps[-1]
@@ -94,15 +96,15 @@ def test_memory_target_fits_and_counts_the_kv_cache(tiny_reference_dir):
 def test_infeasible_targets_name_the_nearest_feasible_one(tiny_reference_dir, target, nearest):
     config = json.loads((tiny_reference_dir / "config.json").read_text())
     with pytest.raises(BudgetError) as err:
-        plan_budget(config, target, unit="width")
+        plan_budget(config, target, Selection(unit="width"))
     assert err.value.nearest.startswith(nearest)
     if target != "params=5e9":  # the nearest feasible target is itself accepted
-        plan_budget(config, err.value.nearest, unit="width")
+        plan_budget(config, err.value.nearest, Selection(unit="width"))
 
 
 def test_aligned_model_saves_multiples_of_n_and_reloads_with_the_stock_class(tiny_reference_dir, tmp_path):
     config = json.loads((tiny_reference_dir / "config.json").read_text())
-    plan = plan_budget(config, "ratio=0.3", unit="width", iterations=2, align=64)
+    plan = plan_budget(config, "ratio=0.3", Selection(unit="width", align=64), iterations=2)
     model, tokenizer = io.load(tiny_reference_dir)
     _prune(model, plan, "width", tokenizer)
     out = io.save_pruned(model, tokenizer, tmp_path / "aligned")
@@ -174,8 +176,8 @@ def test_a_model_with_nothing_prunable_is_refused_without_a_nonsense_suggestion(
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 32,
               "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     with pytest.raises(BudgetError, match="nothing can be removed.*2 layers with protect_first=1") as err:
-        plan_budget(config, Target.parse("ratio=0.2"), unit="block", width_mode="uniform", iterations=2, align=1,
-                    protect_first=1, protect_last=1)
+        plan_budget(config, Target.parse("ratio=0.2"), Selection(unit="block", width_mode="uniform", align=1,
+                                                                 protect_first=1, protect_last=1), iterations=2)
     assert err.value.nearest is None
 
 

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from pipprune.commands import options
 from pipprune.commands.common import (
     FAILED,
     CliError,
@@ -25,15 +26,15 @@ from pipprune.commands.common import (
 
 def compress(
     model: str = typer.Option(..., help="Hugging Face hub id or local model directory"),
-    ratio: Optional[float] = typer.Option(None, help=config_help("ratio")),
-    target: Optional[str] = typer.Option(None, help=config_help("target")),
-    unit: Optional[str] = typer.Option(None, help=config_help("scoring.unit")),
-    width_mode: Optional[str] = typer.Option(None, help=config_help("scoring.width_mode")),
-    align: Optional[int] = typer.Option(None, help=config_help("scoring.align")),
-    serve_context: Optional[int] = typer.Option(None, help=config_help("serving.context")),
-    serve_batch: Optional[int] = typer.Option(None, help=config_help("serving.batch")),
+    ratio: Optional[float] = options.ratio(),
+    target: Optional[str] = options.target(),
+    unit: Optional[str] = options.unit(),
+    width_mode: Optional[str] = options.width_mode(),
+    align: Optional[int] = options.align(),
+    serve_context: Optional[int] = options.serve_context(),
+    serve_batch: Optional[int] = options.serve_batch(),
     method: Optional[str] = typer.Option(None, help=config_help("scoring.method")),
-    iterations: Optional[int] = typer.Option(None, help=config_help("scoring.iterations")),
+    iterations: Optional[int] = options.iterations(),
     calibration: Optional[str] = typer.Option(None, help=config_help(
         "calibration.source", "(default: the model dir itself when it is a reference build)")),
     wordlist: Optional[str] = typer.Option(None, help=config_help("calibration.wordlist")),

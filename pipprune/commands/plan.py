@@ -4,29 +4,32 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from pipprune.commands import options
 from pipprune.commands.common import (
-    config_help,
     fail,
     json_output,
 )
 
+if TYPE_CHECKING:
+    from pip_core.budget import BudgetPlan
+
 
 def plan_cmd(
     model: str = typer.Option(..., help="hub id, local model dir, or a config.json file"),
-    unit: str = typer.Option("block", help="block | attn | mlp | width (scoring memory is the same)"),
-    target: Optional[str] = typer.Option(None, help=config_help("target")),
-    ratio: Optional[float] = typer.Option(None, help="short for --target ratio=R"),
-    width_mode: str = typer.Option("uniform", help=config_help("scoring.width_mode")),
-    iterations: int = typer.Option(4, help=config_help("scoring.iterations")),
-    align: int = typer.Option(64, help=config_help("scoring.align")),
-    protect_first: int = typer.Option(1, help=config_help("scoring.protect_first")),
-    protect_last: int = typer.Option(1, help=config_help("scoring.protect_last")),
-    serve_context: int = typer.Option(0, help=config_help("serving.context")),
-    serve_batch: int = typer.Option(1, help=config_help("serving.batch")),
+    unit: Optional[str] = options.unit(),
+    target: Optional[str] = options.target(),
+    ratio: Optional[float] = options.ratio(),
+    width_mode: Optional[str] = options.width_mode(),
+    iterations: Optional[int] = options.iterations(),
+    align: Optional[int] = options.align(),
+    protect_first: Optional[int] = options.protect_first(),
+    protect_last: Optional[int] = options.protect_last(),
+    serve_context: Optional[int] = options.serve_context(),
+    serve_batch: Optional[int] = options.serve_batch(),
     json_out: bool = typer.Option(False, "--json", help="print the plan as one JSON document (logs: stderr)"),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own)"),
     seq_len: int = typer.Option(128, help="calibration sequence length"),
@@ -41,9 +44,10 @@ def plan_cmd(
     from pip_core.placement import plan_placement
 
     config = _read_config(model)
-    budget = _budget_plan(config, target, ratio, dict(
-        unit=unit, width_mode=width_mode.replace("-", "_"), iterations=iterations, align=align,
-        protect_first=protect_first, protect_last=protect_last, dtype=dtype), serve_context, serve_batch)
+    budget = _budget_plan(config, target, ratio, dtype, dict(
+        unit=unit, width_mode=width_mode, iterations=iterations, align=align, protect_first=protect_first,
+        protect_last=protect_last), dict(context=serve_context, batch=serve_batch))
+    unit = budget.unit if budget else (unit or options.scoring().unit)
     if json_out:
         with json_output(True) as doc:
             doc.emit({"ok": True, "model": model, "budget": budget.as_dict() if budget else None})
@@ -77,19 +81,21 @@ def plan_cmd(
         raise typer.Exit(1)
 
 
-def _budget_plan(config: dict, target: str | None, ratio: float | None, options: dict, context: int,
-                 batch: int):  # noqa: ANN202 - pip_core.budget.BudgetPlan | None
-    """The budget plan, or exit 2 naming the problem (an infeasible target: with the nearest feasible one)."""
-    from infra.budgeting import refusal
-    from pip_core.budget import BudgetError, Serving, plan_budget
+def _budget_plan(config: dict, target: str | None, ratio: float | None, dtype: str, scoring: dict,
+                 serving: dict) -> BudgetPlan | None:
+    """The budget plan of the job these options describe (the config's defaults for the rest, planned as the
+    flow plans it), or exit 2 naming the problem (an infeasible target: with the nearest feasible one)."""
+    from infra.budgeting import plan_with, refusal
+    from pip_core.budget import BudgetError
     from pip_core.errors import PipCoreError
 
     if target is not None and ratio is not None:
         fail("give --ratio or --target, not both")
     if target is None and ratio is None:
         return None
+    scoring_group, serving_group = options.scoring(**scoring), options.serving(**serving)
     try:
-        return plan_budget(config, target or f"ratio={ratio}", serving=Serving(context, batch), **options)
+        return plan_with(config, target or f"ratio={ratio}", scoring_group, serving_group, dtype)
     except BudgetError as exc:
         fail(refusal(exc))
     except (PipCoreError, ValueError, TypeError, KeyError) as exc:
