@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
+from pip_core.importance import CalibrationData
 
 #: `pip` is one of the named forms (importance.default_form), so it is not run twice
 METHODS = {"block": ["pip_l2", "pip_first_order", "pip_relative", "pip_repr", "pip_repr_cos", "pip_removal", "random",
@@ -194,7 +195,7 @@ def prune_and_measure(base, tokenizer, options, ratio: float, iterations: int,  
     for i, target in enumerate(schedule.plan(ratio, iterations), start=1):
         spec = schedule.step_spec(i, target, total, param_count(model), seed)
         step_pairs = pairs(i) if callable(pairs) else pairs
-        report = schedule.step(model, tokenizer, spec, options, total, pairs=step_pairs, texts=texts, progress=False)
+        report = schedule.step(model, CalibrationData(tokenizer, step_pairs, texts=texts), spec, options, total, progress=False)
         steps.append(report)
         if options.kind == "block":  # layers by their index in the source model
             scores.append({alive[u.layer]: s for u, s in zip(report.units, report.scores, strict=True)})

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from pip_core.importance import CalibrationData
+
 SIZES = {"1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
                     intermediate_size=5632),
          "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -63,11 +65,11 @@ def loss_parity(tok, pairs, device: str) -> dict:  # noqa: ANN001
         model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), tie_word_embeddings=False, **SIZES["small"]))
     model = model.float().eval()
     found = units.discover(model, "width")
-    fused = importance.score(model, "pip", found, tokenizer=tok, pairs=pairs[:4], progress=False)
+    fused = importance.score(model, "pip", found, CalibrationData(tok, pairs[:4]), progress=False)
     original = chunked_loss.fused_available
     chunked_loss.fused_available = lambda _device: False  # noqa: E731 - force the torch path for the comparison
     try:
-        chunked = importance.score(model, "pip", found, tokenizer=tok, pairs=pairs[:4], progress=False)
+        chunked = importance.score(model, "pip", found, CalibrationData(tok, pairs[:4]), progress=False)
     finally:
         chunked_loss.fused_available = original
     rel = ((fused - chunked).abs() / chunked.abs().clamp_min(1e-12)).max().item()
@@ -97,7 +99,7 @@ def vocab_128k_memory(tok, pairs, device: str) -> dict:  # noqa: ANN001
         try:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            importance.score(model, "pip", found, tokenizer=tok, pairs=long_pairs, max_length=512, progress=False)
+            importance.score(model, "pip", found, CalibrationData(tok, long_pairs), max_length=512, progress=False)
             torch.cuda.synchronize()
             row[f"peak_over_weights_{name}"] = torch.cuda.max_memory_allocated() / weights
         finally:
@@ -170,7 +172,7 @@ def serving_rows(tok, size: str, device: str, dtype: torch.dtype, ratio: float =
         pruned = copy.deepcopy(dense)
         # random-init weights: the speed depends on the kept shapes only, so a gradient-free criterion picks them
         options = schedule.ScoringOptions("magnitude", unit, width_mode="uniform", align=plan.effective_align)
-        schedule.prune_iteratively(pruned, tok, options, plan.ratio, 2, progress=False)
+        schedule.prune_iteratively(pruned, CalibrationData(tok), options, plan.ratio, 2, progress=False)
         rows.append(speed_row(dense, pruned, tok, prompts, measure, plan, unit, align, ratio))
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("dense", "pruned")}), flush=True)
         del pruned
@@ -227,13 +229,13 @@ def core_check(tok, pairs, size: str, device: str, dtype: torch.dtype, cuda: boo
     n_params = sum(p.numel() for p in model.parameters())
     weights = n_params * model.dtype.itemsize
     found = units.discover(model, "width")
-    importance.score(model, "pip", found, tokenizer=tok, pairs=pairs[:1], progress=False)  # warm-up
+    importance.score(model, "pip", found, CalibrationData(tok, pairs[:1]), progress=False)  # warm-up
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     tokens = sum(len(tok(a)["input_ids"]) + len(tok(b)["input_ids"]) for a, b in pairs)
     start = time.perf_counter()
-    scores = importance.score(model, "pip", found, tokenizer=tok, pairs=pairs, progress=False)
+    scores = importance.score(model, "pip", found, CalibrationData(tok, pairs), progress=False)
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

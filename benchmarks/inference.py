@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
+from pip_core.importance import CalibrationData
 
 
 def flops_per_token(model) -> int:  # noqa: ANN001
@@ -71,9 +72,8 @@ def main() -> None:
     for name, model, method in subjects:
         for unit in ("block", "width"):
             pruned = copy.deepcopy(model)
-            schedule.prune_iteratively(pruned, tok, schedule.ScoringOptions(method, unit), args.ratio, 2, pairs=pairs,
-                                       texts=texts,
-                                       progress=False)
+            schedule.prune_iteratively(pruned, CalibrationData(tok, pairs, texts=texts),
+                                       schedule.ScoringOptions(method, unit), args.ratio, 2, progress=False)
             reduction = 1 - flops_per_token(pruned) / flops_per_token(model)
             for batch in (1, 8):
                 d, p = paired_tokens_per_second(model, pruned, batch)

@@ -48,6 +48,7 @@ def main() -> None:
         compare(args)
         return
     from pip_core import io, schedule
+    from pip_core.importance import CalibrationData
     from pip_core.perplexity import perplexity
     from pip_core.recovery import RecoveryOptions, recover_lora
 
@@ -57,8 +58,8 @@ def main() -> None:
     held = [json.loads(line)["text"] for line in open(args.model / "tasks" / "persuasion.jsonl")][:30]
     stages = {"dense": {"token_ppl": perplexity(model, tok, held)["perplexity"],
                         **evaluate(model, tok, args.model, args.limit, scratch)}}
-    schedule.prune_iteratively(model, tok, schedule.ScoringOptions("pip", args.unit), args.ratio, 2, pairs=pairs,
-                               texts=texts, progress=False)
+    schedule.prune_iteratively(model, CalibrationData(tok, pairs, texts=texts), schedule.ScoringOptions("pip", args.unit),
+                               args.ratio, 2, progress=False)
     stages["pruned"] = {"token_ppl": perplexity(model, tok, held)["perplexity"],
                         **evaluate(model, tok, args.model, args.limit, scratch)}
     train = [json.loads(line)["text"] for line in open(args.model / "calibration" / "calibration.jsonl")]
@@ -96,14 +97,15 @@ def compare(args: argparse.Namespace) -> None:
     from benchmarks.divergence import heldout_texts
     from pip_core import io, schedule
     from pip_core.divergence import doc_stats
+    from pip_core.importance import CalibrationData
     from pip_core.recovery import RecoveryOptions, recover_kd, recover_lora
 
     seeds = [int(s) for s in args.seeds.split(",")]
     dense, tok = io.load(args.model, dtype="float32")
     pairs, texts = calibration_pairs(args.model, 32, seed=0)
     pruned = copy.deepcopy(dense)
-    schedule.prune_iteratively(pruned, tok, schedule.ScoringOptions("pip", args.unit), args.ratio, args.iterations,
-                               pairs=pairs, texts=texts, progress=False)
+    schedule.prune_iteratively(pruned, CalibrationData(tok, pairs, texts=texts), schedule.ScoringOptions("pip", args.unit),
+                               args.ratio, args.iterations, progress=False)
     sets = {name: heldout_texts(args.model, name) for name in args.heldout.split(",")}
     train = [json.loads(line)["text"] for line in open(args.model / "calibration" / "calibration.jsonl")]
     held = {t for texts_, _ in sets.values() for t in texts_}

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ROOT, calibration_pairs, write
+from pip_core.importance import CalibrationData
 
 
 def default_model() -> Path:
@@ -103,7 +104,7 @@ def main() -> None:
             plan = plan_budget(config, f"ratio={ratio}", Selection(unit=unit, align=align), iterations=2)
             pruned, _ = io.load(model_dir)
             options = schedule.ScoringOptions("pip", unit, width_mode="uniform", align=plan.effective_align)
-            schedule.prune_iteratively(pruned, tokenizer, options, plan.ratio, 2, pairs=pairs, progress=False)
+            schedule.prune_iteratively(pruned, CalibrationData(tokenizer, pairs), options, plan.ratio, 2, progress=False)
             rows.append({**speed_row(dense, pruned, tokenizer, prompts, measure, plan, unit, align, ratio),
                          "kl_to_dense": kl_to_dense(dense, pruned, tokenizer, heldout)})
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("dense", "pruned")}), flush=True)

@@ -23,6 +23,7 @@ from infra.config import RuntimeSettings, ScoringSettings
 from infra.settings import Settings
 from pip_core import schedule
 from pip_core import units as core_units
+from pip_core.importance import CalibrationData
 from pip_core.schedule import ScoringOptions, StepSpec
 from pip_core.vocabulary import UnitKind
 from tasks._common import key_from
@@ -77,8 +78,8 @@ def score_units(model: ModelRef, calib: CalibrationRef, scoring: ScoringSettings
     started = time.perf_counter()
     pairs = read_pairs(calib)
     options = scoring_options(scoring, max_length, placement.gradient_checkpointing)
-    found, scores = schedule.score_step(net, tokenizer, spec, options, pairs=pairs,
-                                        texts=[original for original, _ in pairs])
+    found, scores = schedule.score_step(net, CalibrationData(tokenizer, pairs, texts=[original for original, _ in pairs]),
+                                        spec, options)
     seconds = time.perf_counter() - started
     out = Settings().work_dir / "stats" / model.fingerprint[:16] / \
         f"{scoring.method}-{scoring.unit}-{calib.data_hash[:12]}-s{spec.seed}"

@@ -13,6 +13,7 @@ from pip_core import io, schedule, units
 from pip_core.alignment import allowed_cuts, effective_align
 from pip_core.budget import BudgetError, Serving, Target, plan_budget
 from pip_core.errors import PipCoreError
+from pip_core.importance import CalibrationData
 from pip_core.rules import Selection
 from tests.helpers import bpe_tokenizer, tiny_family_model
 
@@ -27,7 +28,7 @@ def tok():
 
 def _prune(model, plan, kind, tokenizer):  # noqa: ANN001, ANN202
     options = schedule.ScoringOptions("magnitude", kind, width_mode="uniform", align=plan.effective_align)
-    return schedule.prune_iteratively(model, tokenizer, options, plan.ratio, plan.iterations, progress=False)
+    return schedule.prune_iteratively(model, CalibrationData(tokenizer), options, plan.ratio, plan.iterations, progress=False)
 
 
 @pytest.mark.parametrize("text, kind, value", [("params=3e9", "params", 3e9), ("params=350M", "params", 350e6),
@@ -203,7 +204,7 @@ def test_pipprune_plan_and_a_run_remove_the_same_amount_for_every_unit_kind(tiny
     assert budget.as_dict() == planned  # the CLI plans the job the flow plans
     options = scoring_options(config.scoring.model_copy(update={"align": budget.effective_align}), 64)
     model, tokenizer = io.load(tiny_reference_dir)
-    run = schedule.prune_iteratively(model, tokenizer, options, budget.ratio, budget.iterations, seed=config.seed,
-                                     progress=False)
+    run = schedule.prune_iteratively(model, CalibrationData(tokenizer), options, budget.ratio, budget.iterations,
+                                     seed=config.seed, progress=False)
     assert [s.num_params for s in run.steps] == [s["num_params"] for s in planned["steps"]]
     assert run.params_after == planned["params_after"]

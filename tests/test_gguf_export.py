@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infra.gguf_write import GgufExportError, check_exportable, producible_quants, write_gguf
 from pip_core import io, prune, schedule, units
+from pip_core.importance import CalibrationData
 from tests.helpers import bpe_tokenizer, tiny_family_model
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
@@ -140,7 +141,7 @@ def _no_gguf_written(path) -> bool:  # noqa: ANN001
 def test_per_layer_widths_are_refused_before_any_work(tok, tmp_path):
     model = tiny_family_model("llama", len(tok), seed=1)
     options = schedule.ScoringOptions("magnitude", "width", protect_first=1, protect_last=1, width_mode="per_layer")
-    schedule.prune_iteratively(model, tok, options, 0.2, 1, progress=False)
+    schedule.prune_iteratively(model, CalibrationData(tok), options, 0.2, 1, progress=False)
     out = io.save_pruned(model, tok, tmp_path / "per-layer")
     with pytest.raises(GgufExportError, match="per-layer widths"):
         write_gguf(out, out / "m.gguf", "f16")
