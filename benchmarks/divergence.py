@@ -73,14 +73,14 @@ def heldout_texts(model_dir: Path, which: str) -> tuple[list[str], str]:
     return texts, hashlib.sha256("\n\x00".join(texts).encode()).hexdigest()
 
 
-def metric_intervals(stats, seed: int, n_boot: int = N_BOOT) -> dict[str, dict]:  # noqa: ANN001 - DocStats
+def metric_intervals(stats, seed: int, n_boot: int = N_BOOT) -> dict[str, dict]:  # DocStats
     """95% bootstrap interval of KL, top-1 agreement and ppl ratio over the held-out documents."""
     from pip_core import bootstrap
 
     return {m: bootstrap.interval(stats, m, n_boot=n_boot, seed=seed).as_dict() for m in ("kl", "top1_agreement", "ppl_ratio")}
 
 
-def kl_comparison(a, b, seed: int = 0, n_boot: int = N_BOOT) -> dict:  # noqa: ANN001 - DocStats or lists of them
+def kl_comparison(a, b, seed: int = 0, n_boot: int = N_BOOT) -> dict:  # DocStats or lists of them
     """Paired KL difference a - b over the same documents, relative to b, and its verdict for a."""
     from pip_core import bootstrap
 
@@ -144,7 +144,7 @@ class _DecoderCache(nn.Module):
         super().__init__()
         self.decoder, self.memo = decoder, {}
 
-    def forward(self, input_ids: torch.Tensor, **kwargs: object):  # noqa: ANN201
+    def forward(self, input_ids: torch.Tensor, **kwargs: object):
         key = (tuple(input_ids.shape), hashlib.sha256(input_ids.cpu().numpy().tobytes()).hexdigest())
         if key not in self.memo:
             self.memo[key] = self.decoder(input_ids=input_ids, **kwargs).last_hidden_state.detach()
@@ -167,7 +167,7 @@ class CachedDense(nn.Module):
         return self.base.get_output_embeddings()
 
 
-def prune_and_measure(base, tokenizer, options, ratio: float, iterations: int,  # noqa: ANN001
+def prune_and_measure(base, tokenizer, options, ratio: float, iterations: int,
                       pairs: list[tuple[str, str]] | Callable[[int], list[tuple[str, str]]],
                       texts: list[str], seed: int, sets: dict[str, tuple[list[str], str]], max_length: int, /,
                       dense: nn.Module | None = None, same_model: dict | None = None,

@@ -32,7 +32,7 @@ WORDS = ("the host said that later every guest would alter the plan and the ghos
          "a cat and a bat watched the mat as bread and wine were brought to the table before night").split()
 
 
-def build_inputs(pairs: int, seed: int = 0, words_per_text: int = 96):  # noqa: ANN201
+def build_inputs(pairs: int, seed: int = 0, words_per_text: int = 96):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,7 +52,7 @@ def build_inputs(pairs: int, seed: int = 0, words_per_text: int = 96):  # noqa: 
     return tok, [(p.original, p.perturbed) for p in result.pairs]
 
 
-def loss_parity(tok, pairs, device: str) -> dict:  # noqa: ANN001
+def loss_parity(tok, pairs, device: str) -> dict:
     """PIP scores through liger's fused linear cross-entropy vs the chunked torch path (float32, same model)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -67,7 +67,7 @@ def loss_parity(tok, pairs, device: str) -> dict:  # noqa: ANN001
     found = units.discover(model, "width")
     fused = importance.score(model, "pip", found, CalibrationData(tok, pairs[:4]), progress=False)
     original = chunked_loss.fused_available
-    chunked_loss.fused_available = lambda _device: False  # noqa: E731 - force the torch path for the comparison
+    chunked_loss.fused_available = lambda _device: False  # force the torch path for the comparison
     try:
         chunked = importance.score(model, "pip", found, CalibrationData(tok, pairs[:4]), progress=False)
     finally:
@@ -76,7 +76,7 @@ def loss_parity(tok, pairs, device: str) -> dict:  # noqa: ANN001
     return {"fused_available": True, "max_relative_difference": rel, "allclose_rtol_1e-4": rel <= 1e-4}
 
 
-def vocab_128k_memory(tok, pairs, device: str) -> dict:  # noqa: ANN001
+def vocab_128k_memory(tok, pairs, device: str) -> dict:
     """Peak GPU memory / weights of PIP scoring at a 128k vocabulary (seq 512, bf16): sliced loss vs whole logits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -107,7 +107,7 @@ def vocab_128k_memory(tok, pairs, device: str) -> dict:  # noqa: ANN001
     return row
 
 
-def flow_check(tok, pairs, cuda: bool) -> dict:  # noqa: ANN001
+def flow_check(tok, pairs, cuda: bool) -> dict:
     """`pipprune compress` on a bf16 checkpoint: bf16 must come out, smaller by the removed parameters."""
     import os
     import subprocess
@@ -149,7 +149,7 @@ def flow_check(tok, pairs, cuda: bool) -> dict:  # noqa: ANN001
             "params_ratio": core_io.param_count_from_dir(out) / core_io.param_count_from_dir(src)}
 
 
-def serving_rows(tok, size: str, device: str, dtype: torch.dtype, ratio: float = 0.2) -> list[dict]:  # noqa: ANN001
+def serving_rows(tok, size: str, device: str, dtype: torch.dtype, ratio: float = 0.2) -> list[dict]:
     """Decode speed of the planned, pruned model against the dense one (same prompts), per unit and alignment."""
     import copy
 
@@ -216,7 +216,7 @@ def main() -> None:
                                     "parts_last_run": sorted(parts)}, indent=1))
 
 
-def core_check(tok, pairs, size: str, device: str, dtype: torch.dtype, cuda: bool) -> dict:  # noqa: ANN001
+def core_check(tok, pairs, size: str, device: str, dtype: torch.dtype, cuda: bool) -> dict:
     """PIP scoring throughput and peak memory, generation speedup of a plainly pruned copy, loss parity, 128k vocab."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -242,7 +242,7 @@ def core_check(tok, pairs, size: str, device: str, dtype: torch.dtype, cuda: boo
     peak = torch.cuda.max_memory_allocated() if cuda else None
 
     @torch.no_grad()
-    def gen_speed(m) -> float:  # noqa: ANN001
+    def gen_speed(m) -> float:
         prompt = torch.randint(5, len(tok), (1, 32), device=device)
         m.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
         if cuda:

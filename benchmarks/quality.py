@@ -29,7 +29,7 @@ def score_dir(model_dir: Path, tasks_dir: Path, limit: int) -> dict[str, float]:
     return {"cloze_acc": results[CLOZE]["acc"], "word_perplexity": results[PPL]["word_perplexity"]}
 
 
-def evaluate(model, tokenizer, model_dir: Path, limit: int, scratch: Path) -> dict[str, float]:  # noqa: ANN001
+def evaluate(model, tokenizer, model_dir: Path, limit: int, scratch: Path) -> dict[str, float]:
     from pip_core import io
 
     out = scratch / "m"

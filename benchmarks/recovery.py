@@ -145,7 +145,7 @@ def compare(args: argparse.Namespace) -> None:
     print(path)
 
 
-def _stats(run: dict, heldout: str):  # noqa: ANN202 - pip_core.divergence.DocStats
+def _stats(run: dict, heldout: str):  # pip_core.divergence.DocStats
     from pip_core.divergence import DocStats
 
     return DocStats.from_json(run["heldout"][heldout]["docs"])

@@ -30,7 +30,7 @@ def default_model() -> Path:
 
 
 @torch.no_grad()
-def kl_to_dense(dense, pruned, tokenizer, texts: list[str]) -> float:  # noqa: ANN001
+def kl_to_dense(dense, pruned, tokenizer, texts: list[str]) -> float:
     """Mean per-token KL(dense || pruned) of the next-token distributions on `texts`."""
     total, count = 0.0, 0
     for text in texts:
@@ -42,7 +42,7 @@ def kl_to_dense(dense, pruned, tokenizer, texts: list[str]) -> float:  # noqa: A
     return total / count
 
 
-def speed_row(dense, pruned, tokenizer, prompts: torch.Tensor, measure: dict, plan, unit: str, align: int,  # noqa: ANN001
+def speed_row(dense, pruned, tokenizer, prompts: torch.Tensor, measure: dict, plan, unit: str, align: int,
               ratio: float) -> dict:
     """One table row: the planned cut's shapes and the pruned model's decode speed against the dense one's,
     both measured now on the same prompts (dense beside each row, so both see the same machine noise)."""

@@ -223,7 +223,7 @@ def describe_figures(heldout_metrics: dict[str, float], lm_eval: dict[str, dict[
     return ", ".join(parts) or "no held-out texts and no lm-eval tasks"
 
 
-def recovery_metrics(quick: dict[str, float], result: Any, total: int) -> dict[str, float]:  # noqa: ANN401
+def recovery_metrics(quick: dict[str, float], result: Any, total: int) -> dict[str, float]:
     """Step N+1's metrics: the quick eval after recovery plus what the recovery did (tasks.recovery.RecoveryResult)."""
     return {**quick, "num_params": float(result.model.num_params),
             "achieved_ratio": removed_fraction(total, result.model.num_params),
@@ -233,7 +233,7 @@ def recovery_metrics(quick: dict[str, float], result: Any, total: int) -> dict[s
 
 
 def recovery_record(stage: int, config: CompressConfig, metrics: dict[str, float], pruned: ModelRef,
-                    result: Any, teacher: ModelRef | None, lineage: dict[str, str]) -> dict:  # noqa: ANN401
+                    result: Any, teacher: ModelRef | None, lineage: dict[str, str]) -> dict:
     """The checkpoint manifest's metadata for the recovery stage."""
     return {"iteration": stage, "stage": "recovery", "units_removed": [], "metrics": metrics,
             "recovery": config.recovery.model_dump(), "pruned_model_fingerprint": pruned.fingerprint,

@@ -258,7 +258,7 @@ def repr_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], u
     layers = decoder_layers(model)
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def make_hook(i: int):  # noqa: ANN202
+    def make_hook(i: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             h_in = args[0] if args else kwargs["hidden_states"]
             h_out = output[0] if isinstance(output, tuple) else output
@@ -352,7 +352,7 @@ def block_influence(model: nn.Module, tokenizer, texts: Sequence[str], units: Se
     sums = torch.zeros(len(layers), dtype=torch.float64)
     count = 0
 
-    def make_hook(i: int):  # noqa: ANN202
+    def make_hook(i: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             h_in = args[0] if args else kwargs["hidden_states"]
             h_out = output[0] if isinstance(output, tuple) else output
@@ -392,7 +392,7 @@ def removal_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]]
     branch: dict[int, torch.Tensor] = {}
     grads: dict[int, torch.Tensor] = {}
 
-    def make_hook(i: int):  # noqa: ANN202
+    def make_hook(i: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             h_in = args[0] if args else kwargs["hidden_states"]
             h_out = output[0] if isinstance(output, tuple) else output

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, click.exceptions.Abort):
         print_error("interrupted")
         code = INTERRUPTED
-    except Exception as exc:  # noqa: BLE001 - the catch-all that keeps tracebacks behind --debug
+    except Exception as exc:  # the catch-all that keeps tracebacks behind --debug
         if debug:
             raise
         print_error(f"{type(exc).__name__}: {exc} (rerun with --debug for the traceback)")

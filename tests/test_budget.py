@@ -26,7 +26,7 @@ def tok():
     return bpe_tokenizer(TEXTS)
 
 
-def _prune(model, plan, kind, tokenizer):  # noqa: ANN001, ANN202
+def _prune(model, plan, kind, tokenizer):
     options = schedule.ScoringOptions("magnitude", kind, width_mode="uniform", align=plan.effective_align)
     return schedule.prune_iteratively(model, CalibrationData(tokenizer), options, plan.ratio, plan.iterations, progress=False)
 

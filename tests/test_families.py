@@ -268,7 +268,7 @@ def test_weights_that_do_not_fit_the_layout_are_refused_from_headers(tmp_path):
 
 # ---------------------------------------------------------------- the CLI, end to end on the local stack
 
-def _family_dir(model_type: str, reference, out):  # noqa: ANN001, ANN202
+def _family_dir(model_type: str, reference, out):
     """A random-init `model_type` directory with the reference tokenizer copied in."""
     import shutil
 

@@ -25,12 +25,12 @@ TEXT = ("It is a truth universally acknowledged, that a single man in possession
 TOLERANCE = {"f32": 1e-5, "f16": 0.02, "q8_0": 0.3}
 
 
-def _read_back(model_dir, name):  # noqa: ANN202
+def _read_back(model_dir, name):
     model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=name, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(model_dir, gguf_file=name)
 
 
-def _compare(model_dir, gguf_name, quant, text=TEXT) -> tuple[float, float]:  # noqa: ANN001
+def _compare(model_dir, gguf_name, quant, text=TEXT) -> tuple[float, float]:
     """(max |logit diff|, top-1 agreement) of the file read back by transformers against the directory."""
     model, tok = io.load(model_dir, dtype=torch.float32)
     back, back_tok = _read_back(model_dir, gguf_name)
@@ -134,7 +134,7 @@ def test_block_pruned_families_read_back(tok, tmp_path, model_type):
 
 
 # ------------------------------------------------------------------------------------ refusals
-def _no_gguf_written(path) -> bool:  # noqa: ANN001
+def _no_gguf_written(path) -> bool:
     return not any(path.glob("*.gguf*"))
 
 

@@ -101,7 +101,7 @@ def _recovery_options(steps: int | None, kind: str | None) -> dict | None:
 
 
 def _compress_config(model: str, config: Path | None, calibration: str | None, include_path: str | None,
-                     tasks: str | None, options: dict):  # noqa: ANN202 - infra.config.CompressConfig, lazily
+                     tasks: str | None, options: dict):  # infra.config.CompressConfig, lazily
     """The validated job config from the options and the config file; every problem is bad input (exit 2)."""
     from pydantic import ValidationError
 
@@ -150,7 +150,7 @@ def _default_tasks(model: str, calibration: str | None, config: Path | None) -> 
                         "build with local tasks (pass --tasks and --include-path)")
 
 
-def _run_compress(cfg, out_dir: str | None, overwrite: bool):  # noqa: ANN001, ANN202
+def _run_compress(cfg, out_dir: str | None, overwrite: bool):  # noqa: ANN001
     from flows.compress import compress_flow
     from infra.output_dir import OutputDirError
     from infra.runtime import prefect_settings

@@ -123,7 +123,7 @@ def _precheck(settings, name: str, version: str, quants: list[str], heldout: Pat
     return heldout.resolve()
 
 
-def _run(name: str, version: str, quants: list[str], heldout: str, max_length: int, registered_name: str | None):  # noqa: ANN202
+def _run(name: str, version: str, quants: list[str], heldout: str, max_length: int, registered_name: str | None):
     from flows.export import export_flow
     from infra.gguf_write import GgufExportError
     from infra.lineage import LineageError

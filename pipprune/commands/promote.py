@@ -64,12 +64,12 @@ def _install_public_key(settings) -> bytes | None:  # noqa: ANN001
         return None
 
 
-def _signature_verifier(settings, key: bytes | None):  # noqa: ANN001, ANN202
+def _signature_verifier(settings, key: bytes | None):  # noqa: ANN001
     """tags -> SignatureCheck of that version's signature against the model in S3."""
     from infra.s3store import CheckpointStore
     from infra.signing import check_version_signature
 
-    def verify(tags: dict[str, str]):  # noqa: ANN202
+    def verify(tags: dict[str, str]):
         store = CheckpointStore.for_uri(settings, tags[S3_URI]) if tags.get(S3_URI) else None
         return check_version_signature(tags, store, key or _install_public_key(settings), settings.work_dir)
 
