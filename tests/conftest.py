@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, free_port, seaweed_port_base
+from infra.stack import free_port
+from tests.helpers import ROOT, seaweed_port_base
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

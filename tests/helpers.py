@@ -2,33 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import boto3
 
+from infra.stack import free_port_range
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (servers in tests bind loopback only)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_range(count: int, also: tuple[int, ...] = ()) -> int:
-    """The first of `count` consecutive free ports on 127.0.0.1 (the embedded S3 server pins a block of them);
-    base + each offset in `also` must be free too (SeaweedFS' admin gRPC port is its admin port + 10000)."""
-    import random
-
-    for _ in range(400):
-        base = random.randint(20000, 65535 - count - max(also, default=0))
-        if all(_free(base + i) for i in (*range(count), *also)):
-            return base
-    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 def seaweed_port_base() -> int:
@@ -36,15 +18,6 @@ def seaweed_port_base() -> int:
     from infra.stack import ADMIN_GRPC_OFFSET, WEED_AUX_PORTS
 
     return free_port_range(len(WEED_AUX_PORTS), also=(WEED_AUX_PORTS.index("admin.port") + ADMIN_GRPC_OFFSET,))
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def s3_of(env: dict[str, str]):  # boto3 clients are untyped

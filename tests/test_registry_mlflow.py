@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli, free_port
+from infra.stack import free_port
+from tests.helpers import cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
