@@ -1,4 +1,5 @@
-"""The `pipprune` command line. Heavy imports (torch, prefect, mlflow) happen inside commands.
+"""The `pipprune` command line: the app and `main`; each command lives in `pipprune/commands/`. Heavy imports
+(torch, prefect, mlflow) happen inside commands.
 
 Exit codes: 0 success; 1 a verification or gate failed, or a run failed; 2 bad input (named in the
 message, with the fix); 3 a service unreachable; 130 interrupted. `--debug` shows tracebacks.

@@ -1,4 +1,5 @@
-"""What every command shares: exit codes, one-line errors, and a stdout that holds only the JSON document.
+"""What every command shares: exit codes, one-line errors, a stdout that holds only the JSON document, and the
+checks before work (`check_out`, `check_inputs`, `runtime`: the one place a command brings the stack up).
 
 Exit codes (documented in the README, tested in tests/test_cli_contract.py):
 0 success; 1 a verification or gate failed (lineage mismatch, promotion refused) or a run failed;
