@@ -42,8 +42,6 @@ from infra.tags import (
     SOURCE_MODEL,
 )
 
-#: version tags of a GGUF child (flows.export writes them, `trace_export` checks them)
-FORMAT_TAG = FORMAT
 TAGS = {
     "quant": GGUF_QUANT,
     "sha256": GGUF_SHA256,
@@ -121,7 +119,7 @@ class ExportRecord(BaseModel):
 
 
 def is_export(tags: dict[str, str]) -> bool:
-    return tags.get(FORMAT_TAG) == "gguf"
+    return tags.get(FORMAT) == "gguf"
 
 
 def trace_export(client, mv, store_for_run_key, trace_parent: Callable[..., Any],  # noqa: ANN001, ANN201 - Lineage

@@ -42,9 +42,6 @@ from infra.tags import (
     SOURCE_MODEL,
 )
 
-#: version tags that must equal the MLflow run's tags of the same name
-_CROSS_CHECKED = LINEAGE
-
 
 class LineageError(ValueError):
     """The version cannot be found or carries no pipprune lineage."""
@@ -128,7 +125,7 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
     if mv.run_id and run_id != mv.run_id:
         problems.append(f"tag pipprune.mlflow_run_id={run_id} but the version's run is {mv.run_id}")
     run = client.get_run(run_id)
-    for key in _CROSS_CHECKED:
+    for key in LINEAGE:
         if tags.get(key) != run.data.tags.get(key):
             problems.append(f"tag {key}: version says {tags.get(key)!r}, MLflow run says {run.data.tags.get(key)!r}")
     config = {k: v for k, v in run.data.params.items()}

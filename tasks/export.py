@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
-from infra.gguf_store import FORMAT_TAG, INHERITED, TAGS, PublishedGguf
+from infra.gguf_store import FORMAT, INHERITED, TAGS, PublishedGguf
 from infra.hashing import sha256_bytes
 from infra.mlflow_utils import mlflow_client
 from infra.settings import Settings
@@ -246,7 +246,7 @@ def child_tags(parent: ParentRef, gguf: GgufRef, published: PublishedGguf, signa
     """The child version's tags: format, type, digest, parent, the parent's lineage roots, S3 and signature."""
     from infra.hashing import sha256_file
 
-    return {FORMAT_TAG: "gguf", TAGS["quant"]: gguf.quant, TAGS["sha256"]: published.sha256, TAGS["file"]: published.file,
+    return {FORMAT: "gguf", TAGS["quant"]: gguf.quant, TAGS["sha256"]: published.sha256, TAGS["file"]: published.file,
             TAGS["manifest_uri"]: published.manifest_uri, TAGS["manifest_sha256"]: published.manifest_sha256,
             TAGS["parent_name"]: parent.name, TAGS["parent_version"]: parent.version,
             TAGS["parent_fingerprint"]: parent.model.fingerprint,

@@ -96,6 +96,6 @@ class SignatureRef(_Ref):
 
     def tags(self) -> dict[str, str]:
         """The registered version's tags that `lineage` and `promote` check the signature against."""
-        from infra.signing import TAG_KEY, TAG_SHA256, TAG_URI
+        from infra.tags import SIGNATURE_SHA256, SIGNATURE_URI, SIGNING_KEY_FINGERPRINT
 
-        return {TAG_URI: self.uri, TAG_SHA256: self.sha256, TAG_KEY: self.key_fingerprint}
+        return {SIGNATURE_URI: self.uri, SIGNATURE_SHA256: self.sha256, SIGNING_KEY_FINGERPRINT: self.key_fingerprint}

@@ -33,11 +33,7 @@ from tasks.refs import ModelRef
 
 log = logging.getLogger(__name__)
 
-#: version tag: sha256 of the checkpoint's mlflow_files.json (lineage re-hashes the files it lists)
-MLFLOW_FILES_TAG = MLFLOW_FILES_SHA256
 LOGGED_MODEL_TYPE = "pipprune-compressed-lm"
-#: version tag naming the MLflow 3 logged model (the SQL registry keeps `model_id` only for models:/ sources)
-LOGGED_MODEL_TAG = LOGGED_MODEL_ID
 
 
 def checkpoint_root(model_uri: str) -> str:
@@ -76,13 +72,13 @@ def register_model(name: str, model: ModelRef, run_id: str, tags: dict[str, str]
                                         tags={S3_URI: root, RUN_KEY: tags[RUN_KEY],
                                               MODEL_FINGERPRINT: model.fingerprint})
     try:
-        tags[MLFLOW_FILES_TAG] = publish_mlflow_model(model, root, run_id, logged.model_id, tags)
+        tags[MLFLOW_FILES_SHA256] = publish_mlflow_model(model, root, run_id, logged.model_id, tags)
     except BaseException:
         client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
         raise
     client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
     client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])  # the run page lists it
-    tags[LOGGED_MODEL_TAG] = logged.model_id
+    tags[LOGGED_MODEL_ID] = logged.model_id
     version = client.create_model_version(name, source=root, run_id=run_id, model_id=logged.model_id, tags=tags,
                                           description=f"pipprune run {tags['pipprune.run_key']}; weights and MLmodel "
                                                       f"at {root}")

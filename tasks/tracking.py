@@ -191,11 +191,6 @@ def tracking_run(run_key: str, params: dict[str, Any], tags: dict[str, str]) -> 
     close_tracking_run(run_id)
 
 
-#: run tags holding each logged dataset's MLflow digest; the registered version copies them
-DATASET_DIGEST_TAG = DATASET_DIGEST
-DATASET_SOURCE_TAG = DATASET_SOURCE
-
-
 @task(name="log-datasets", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
 def log_datasets(run_id: str, calib: CalibrationRef) -> dict[str, str]:
     """The calibration pairs and held-out texts as MLflow datasets, inputs of the run.
@@ -229,8 +224,8 @@ def log_datasets(run_id: str, calib: CalibrationRef) -> dict[str, str]:
         for context, ds in datasets.items()])
     tags = {}
     for context, ds in datasets.items():
-        tags[DATASET_DIGEST_TAG.format(context=context)] = ds.digest
-        tags[DATASET_SOURCE_TAG.format(context=context)] = uri
+        tags[DATASET_DIGEST.format(context=context)] = ds.digest
+        tags[DATASET_SOURCE.format(context=context)] = uri
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     return tags
