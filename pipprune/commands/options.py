@@ -24,7 +24,7 @@ def target() -> Any:
 
 
 def ratio() -> Any:
-    return typer.Option(None, help=config_help("ratio", "(plan: short for --target ratio=R)"))
+    return typer.Option(None, help=config_help("ratio", "(plan: with neither --ratio nor --target, memory only)"))
 
 
 def unit() -> Any:
