@@ -82,7 +82,7 @@ def _compare(unit: str, ratio: float, seed: int | str, group: dict[tuple, list[d
         raise ValueError(f"{unit} ratio {ratio} seed {seed}: need exactly one default run and at most one "
                          f"baseline run, got {len(defaults)} and {len(baselines)}")
 
-    def stats(key: tuple):  # noqa: ANN202 - one DocStats, or a list of them (pooled over seeds)
+    def stats(key: tuple):  # one DocStats, or a list of them (pooled over seeds)
         found = [DocStats.from_json(r["docs"]) for r in group[key]]
         return found[0] if len(found) == 1 else found
 

@@ -46,7 +46,7 @@ def measure(name: str, pairs_n: int) -> dict:
 
     from benchmarks.gpu_check import build_inputs
     from pip_core import importance, units
-    from pip_core.importance import _batch, _encode, per_sequence_loss
+    from pip_core.importance import CalibrationData, _batch, _encode, per_sequence_loss
 
     hidden, layers, heads, kv, inter, vocab, seq, dtype, row_pairs = ROWS[name]
     pairs_n = row_pairs or pairs_n
@@ -59,10 +59,10 @@ def measure(name: str, pairs_n: int) -> dict:
     weights_mb = n_params * model.dtype.itemsize / 2**20
     found = units.discover(model, "width")
     warm, pairs = pairs[:1], pairs[1:]
-    importance.score(model, "pip", found, tokenizer=tok, pairs=warm, max_length=seq, progress=False)  # warm-up
+    importance.score(model, "pip", found, CalibrationData(tok, warm), max_length=seq, progress=False)  # warm-up
     rss_before = _rss_mb()
     start = time.perf_counter()
-    importance.score(model, "pip", found, tokenizer=tok, pairs=pairs, max_length=seq, progress=False)
+    importance.score(model, "pip", found, CalibrationData(tok, pairs), max_length=seq, progress=False)
     t_pip = time.perf_counter() - start
     peak_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     extra_mb = max(0.0, peak_after - rss_before)  # upper bound: the process peak may predate scoring

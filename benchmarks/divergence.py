@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
+from pip_core.importance import CalibrationData
 
 #: `pip` is one of the named forms (importance.default_form), so it is not run twice
 METHODS = {"block": ["pip_l2", "pip_first_order", "pip_relative", "pip_repr", "pip_repr_cos", "pip_removal", "random",
@@ -72,14 +73,14 @@ def heldout_texts(model_dir: Path, which: str) -> tuple[list[str], str]:
     return texts, hashlib.sha256("\n\x00".join(texts).encode()).hexdigest()
 
 
-def metric_intervals(stats, seed: int, n_boot: int = N_BOOT) -> dict[str, dict]:  # noqa: ANN001 - DocStats
+def metric_intervals(stats, seed: int, n_boot: int = N_BOOT) -> dict[str, dict]:  # DocStats
     """95% bootstrap interval of KL, top-1 agreement and ppl ratio over the held-out documents."""
     from pip_core import bootstrap
 
     return {m: bootstrap.interval(stats, m, n_boot=n_boot, seed=seed).as_dict() for m in ("kl", "top1_agreement", "ppl_ratio")}
 
 
-def kl_comparison(a, b, seed: int = 0, n_boot: int = N_BOOT) -> dict:  # noqa: ANN001 - DocStats or lists of them
+def kl_comparison(a, b, seed: int = 0, n_boot: int = N_BOOT) -> dict:  # DocStats or lists of them
     """Paired KL difference a - b over the same documents, relative to b, and its verdict for a."""
     from pip_core import bootstrap
 
@@ -143,7 +144,7 @@ class _DecoderCache(nn.Module):
         super().__init__()
         self.decoder, self.memo = decoder, {}
 
-    def forward(self, input_ids: torch.Tensor, **kwargs: object):  # noqa: ANN201
+    def forward(self, input_ids: torch.Tensor, **kwargs: object):
         key = (tuple(input_ids.shape), hashlib.sha256(input_ids.cpu().numpy().tobytes()).hexdigest())
         if key not in self.memo:
             self.memo[key] = self.decoder(input_ids=input_ids, **kwargs).last_hidden_state.detach()
@@ -166,7 +167,7 @@ class CachedDense(nn.Module):
         return self.base.get_output_embeddings()
 
 
-def prune_and_measure(base, tokenizer, options, ratio: float, iterations: int,  # noqa: ANN001
+def prune_and_measure(base, tokenizer, options, ratio: float, iterations: int,
                       pairs: list[tuple[str, str]] | Callable[[int], list[tuple[str, str]]],
                       texts: list[str], seed: int, sets: dict[str, tuple[list[str], str]], max_length: int, /,
                       dense: nn.Module | None = None, same_model: dict | None = None,
@@ -194,7 +195,7 @@ def prune_and_measure(base, tokenizer, options, ratio: float, iterations: int,  
     for i, target in enumerate(schedule.plan(ratio, iterations), start=1):
         spec = schedule.step_spec(i, target, total, param_count(model), seed)
         step_pairs = pairs(i) if callable(pairs) else pairs
-        report = schedule.step(model, tokenizer, spec, options, total, pairs=step_pairs, texts=texts, progress=False)
+        report = schedule.step(model, CalibrationData(tokenizer, step_pairs, texts=texts), spec, options, total, progress=False)
         steps.append(report)
         if options.kind == "block":  # layers by their index in the source model
             scores.append({alive[u.layer]: s for u, s in zip(report.units, report.scores, strict=True)})

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ROOT, Timer, calibration_pairs, write
+from pip_core.importance import CalibrationData
 
 DEFAULT_OUT = ROOT / ".pipprune" / "bench-gguf"
 
@@ -37,7 +38,7 @@ def make_parents(model_dir: Path, out: Path, units: list[str], ratio: float, pai
         if not (target / "config.json").is_file():
             model, tok = io.load(model_dir, dtype=torch.float32)
             options = schedule.ScoringOptions("pip" if calib else "magnitude", unit, width_mode="uniform", align=32)
-            schedule.prune_iteratively(model, tok, options, ratio, 1, pairs=calib, seed=seed, progress=False)
+            schedule.prune_iteratively(model, CalibrationData(tok, calib), options, ratio, 1, seed=seed, progress=False)
             io.save_pruned(model, tok, target)
         parents[label] = target
     return parents

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from pip_core.importance import CalibrationData
+
 SIZES = {"1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
                     intermediate_size=5632),
          "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -30,7 +32,7 @@ WORDS = ("the host said that later every guest would alter the plan and the ghos
          "a cat and a bat watched the mat as bread and wine were brought to the table before night").split()
 
 
-def build_inputs(pairs: int, seed: int = 0, words_per_text: int = 96):  # noqa: ANN201
+def build_inputs(pairs: int, seed: int = 0, words_per_text: int = 96):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -50,7 +52,7 @@ def build_inputs(pairs: int, seed: int = 0, words_per_text: int = 96):  # noqa: 
     return tok, [(p.original, p.perturbed) for p in result.pairs]
 
 
-def loss_parity(tok, pairs, device: str) -> dict:  # noqa: ANN001
+def loss_parity(tok, pairs, device: str) -> dict:
     """PIP scores through liger's fused linear cross-entropy vs the chunked torch path (float32, same model)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -63,18 +65,18 @@ def loss_parity(tok, pairs, device: str) -> dict:  # noqa: ANN001
         model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), tie_word_embeddings=False, **SIZES["small"]))
     model = model.float().eval()
     found = units.discover(model, "width")
-    fused = importance.score(model, "pip", found, tokenizer=tok, pairs=pairs[:4], progress=False)
+    fused = importance.score(model, "pip", found, CalibrationData(tok, pairs[:4]), progress=False)
     original = chunked_loss.fused_available
-    chunked_loss.fused_available = lambda _device: False  # noqa: E731 - force the torch path for the comparison
+    chunked_loss.fused_available = lambda _device: False  # force the torch path for the comparison
     try:
-        chunked = importance.score(model, "pip", found, tokenizer=tok, pairs=pairs[:4], progress=False)
+        chunked = importance.score(model, "pip", found, CalibrationData(tok, pairs[:4]), progress=False)
     finally:
         chunked_loss.fused_available = original
     rel = ((fused - chunked).abs() / chunked.abs().clamp_min(1e-12)).max().item()
     return {"fused_available": True, "max_relative_difference": rel, "allclose_rtol_1e-4": rel <= 1e-4}
 
 
-def vocab_128k_memory(tok, pairs, device: str) -> dict:  # noqa: ANN001
+def vocab_128k_memory(tok, pairs, device: str) -> dict:
     """Peak GPU memory / weights of PIP scoring at a 128k vocabulary (seq 512, bf16): sliced loss vs whole logits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -97,7 +99,7 @@ def vocab_128k_memory(tok, pairs, device: str) -> dict:  # noqa: ANN001
         try:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            importance.score(model, "pip", found, tokenizer=tok, pairs=long_pairs, max_length=512, progress=False)
+            importance.score(model, "pip", found, CalibrationData(tok, long_pairs), max_length=512, progress=False)
             torch.cuda.synchronize()
             row[f"peak_over_weights_{name}"] = torch.cuda.max_memory_allocated() / weights
         finally:
@@ -105,7 +107,7 @@ def vocab_128k_memory(tok, pairs, device: str) -> dict:  # noqa: ANN001
     return row
 
 
-def flow_check(tok, pairs, cuda: bool) -> dict:  # noqa: ANN001
+def flow_check(tok, pairs, cuda: bool) -> dict:
     """`pipprune compress` on a bf16 checkpoint: bf16 must come out, smaller by the removed parameters."""
     import os
     import subprocess
@@ -147,7 +149,7 @@ def flow_check(tok, pairs, cuda: bool) -> dict:  # noqa: ANN001
             "params_ratio": core_io.param_count_from_dir(out) / core_io.param_count_from_dir(src)}
 
 
-def serving_rows(tok, size: str, device: str, dtype: torch.dtype, ratio: float = 0.2) -> list[dict]:  # noqa: ANN001
+def serving_rows(tok, size: str, device: str, dtype: torch.dtype, ratio: float = 0.2) -> list[dict]:
     """Decode speed of the planned, pruned model against the dense one (same prompts), per unit and alignment."""
     import copy
 
@@ -156,6 +158,7 @@ def serving_rows(tok, size: str, device: str, dtype: torch.dtype, ratio: float =
     from benchmarks.serving import speed_row
     from pip_core import schedule
     from pip_core.budget import plan_budget
+    from pip_core.rules import Selection
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -165,11 +168,11 @@ def serving_rows(tok, size: str, device: str, dtype: torch.dtype, ratio: float =
     measure = dict(new_tokens=64, batch_sizes=(1, 8), repeats=3)
     rows = []
     for unit, align in (("block", 1), ("width", 64), ("width", 1)):
-        plan = plan_budget(dense.config.to_dict(), f"ratio={ratio}", unit=unit, iterations=2, align=align)
+        plan = plan_budget(dense.config.to_dict(), f"ratio={ratio}", Selection(unit=unit, align=align), iterations=2)
         pruned = copy.deepcopy(dense)
         # random-init weights: the speed depends on the kept shapes only, so a gradient-free criterion picks them
         options = schedule.ScoringOptions("magnitude", unit, width_mode="uniform", align=plan.effective_align)
-        schedule.prune_iteratively(pruned, tok, options, plan.ratio, 2, progress=False)
+        schedule.prune_iteratively(pruned, CalibrationData(tok), options, plan.ratio, 2, progress=False)
         rows.append(speed_row(dense, pruned, tok, prompts, measure, plan, unit, align, ratio))
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("dense", "pruned")}), flush=True)
         del pruned
@@ -213,7 +216,7 @@ def main() -> None:
                                     "parts_last_run": sorted(parts)}, indent=1))
 
 
-def core_check(tok, pairs, size: str, device: str, dtype: torch.dtype, cuda: bool) -> dict:  # noqa: ANN001
+def core_check(tok, pairs, size: str, device: str, dtype: torch.dtype, cuda: bool) -> dict:
     """PIP scoring throughput and peak memory, generation speedup of a plainly pruned copy, loss parity, 128k vocab."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -226,20 +229,20 @@ def core_check(tok, pairs, size: str, device: str, dtype: torch.dtype, cuda: boo
     n_params = sum(p.numel() for p in model.parameters())
     weights = n_params * model.dtype.itemsize
     found = units.discover(model, "width")
-    importance.score(model, "pip", found, tokenizer=tok, pairs=pairs[:1], progress=False)  # warm-up
+    importance.score(model, "pip", found, CalibrationData(tok, pairs[:1]), progress=False)  # warm-up
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     tokens = sum(len(tok(a)["input_ids"]) + len(tok(b)["input_ids"]) for a, b in pairs)
     start = time.perf_counter()
-    scores = importance.score(model, "pip", found, tokenizer=tok, pairs=pairs, progress=False)
+    scores = importance.score(model, "pip", found, CalibrationData(tok, pairs), progress=False)
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if cuda else None
 
     @torch.no_grad()
-    def gen_speed(m) -> float:  # noqa: ANN001
+    def gen_speed(m) -> float:
         prompt = torch.randint(5, len(tok), (1, 32), device=device)
         m.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
         if cuda:

@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
+from pip_core.importance import CalibrationData
 
 
-def flops_per_token(model) -> int:  # noqa: ANN001
+def flops_per_token(model) -> int:
     """2 x multiply-adds of every matmul a token goes through (decoder layers + LM head)."""
     layer_params = sum(p.numel() for layer in model.model.layers for _, p in layer.named_parameters()
                        if p.dim() == 2)
@@ -24,14 +25,14 @@ def flops_per_token(model) -> int:  # noqa: ANN001
 
 
 @torch.no_grad()
-def _generate_seconds(model, prompt: torch.Tensor, new_tokens: int) -> float:  # noqa: ANN001
+def _generate_seconds(model, prompt: torch.Tensor, new_tokens: int) -> float:
     start = time.perf_counter()
     model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                    min_new_tokens=new_tokens, do_sample=False)
     return time.perf_counter() - start
 
 
-def paired_tokens_per_second(dense, pruned, batch: int, new_tokens: int = 48,  # noqa: ANN001
+def paired_tokens_per_second(dense, pruned, batch: int, new_tokens: int = 48,
                              repeats: int = 5) -> tuple[float, float]:
     """Best-of-`repeats` tokens/s of both models, measured alternately so machine noise hits both alike."""
     prompt = torch.randint(10, 1000, (batch, 16), generator=torch.Generator().manual_seed(0))
@@ -43,7 +44,7 @@ def paired_tokens_per_second(dense, pruned, batch: int, new_tokens: int = 48,  #
     return batch * new_tokens / best_d, batch * new_tokens / best_p
 
 
-def random_llama(hidden: int, layers: int, vocab: int = 8192):  # noqa: ANN201
+def random_llama(hidden: int, layers: int, vocab: int = 8192):
     """A random-init GQA Llama: speed depends on shapes, not on training."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -71,9 +72,8 @@ def main() -> None:
     for name, model, method in subjects:
         for unit in ("block", "width"):
             pruned = copy.deepcopy(model)
-            schedule.prune_iteratively(pruned, tok, schedule.ScoringOptions(method, unit), args.ratio, 2, pairs=pairs,
-                                       texts=texts,
-                                       progress=False)
+            schedule.prune_iteratively(pruned, CalibrationData(tok, pairs, texts=texts),
+                                       schedule.ScoringOptions(method, unit), args.ratio, 2, progress=False)
             reduction = 1 - flops_per_token(pruned) / flops_per_token(model)
             for batch in (1, 8):
                 d, p = paired_tokens_per_second(model, pruned, batch)

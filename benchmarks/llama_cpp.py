@@ -32,14 +32,14 @@ def _continuations_agree(a: list[int], b: list[int]) -> int:
     return n
 
 
-def open_file(entry: dict, threads: int):  # noqa: ANN201 - llama_cpp.Llama (the file is memory-mapped)
+def open_file(entry: dict, threads: int):  # llama_cpp.Llama (the file is memory-mapped)
     from llama_cpp import Llama
 
     return Llama(model_path=entry["path"], n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
                  seed=0, logits_all=True, verbose=False)
 
 
-def greedy(llm, ids: list[int], new_tokens: int) -> list[int]:  # noqa: ANN001
+def greedy(llm, ids: list[int], new_tokens: int) -> list[int]:
     out: list[int] = []
     for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
         out.append(int(token))
@@ -48,7 +48,7 @@ def greedy(llm, ids: list[int], new_tokens: int) -> list[int]:  # noqa: ANN001
     return out
 
 
-def hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:  # noqa: ANN001
+def hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:
     """Plain argmax decoding in transformers, past end-of-sequence as llama.cpp's generate goes (`generate` with
     min_new_tokens would instead forbid EOS and pick the runner-up)."""
     seq = list(ids)
@@ -58,7 +58,7 @@ def hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:  # noqa: ANN001
     return seq
 
 
-def compare_file(entry: dict, llm, prompts: list[str], new_tokens: int) -> dict:  # noqa: ANN001
+def compare_file(entry: dict, llm, prompts: list[str], new_tokens: int) -> dict:
     """llama.cpp against transformers on the same weights: tokenizer, next-token logits on the same tokens (teacher
     forced on transformers' greedy continuation), and free-running greedy continuations."""
     import numpy as np

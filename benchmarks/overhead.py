@@ -36,8 +36,7 @@ def main() -> None:
     model_dir = args.model or _default_model()
     home = Path(tempfile.mkdtemp(prefix="pipprune-overhead-"))
     from infra.settings import Settings, apply_process_env
-    from infra.stack import LocalStack
-    from tests.helpers import free_port, free_port_range
+    from infra.stack import LocalStack, free_port, free_port_range
 
     settings = Settings(home=home, s3_port=free_port(), s3_aux_port_base=free_port_range(12), mlflow_port=free_port(),
                         prefect_port=free_port(), s3_endpoint_url=None, mlflow_tracking_uri=None,
@@ -52,6 +51,7 @@ def main() -> None:
         from flows.compress import compress_flow
         from infra.config import CompressConfig
         from pip_core import io, schedule
+        from pip_core.importance import CalibrationData
 
         def config(seed: int) -> CompressConfig:
             return CompressConfig(model=str(model_dir), calibration=str(model_dir), ratio=0.2, unit="block",
@@ -62,8 +62,8 @@ def main() -> None:
         def direct_loop(seed: int) -> None:
             pairs, texts = calibration_pairs(model_dir, args.pairs, seed=seed)
             model, tok = io.load(model_dir, device="cpu")
-            schedule.prune_iteratively(model, tok, schedule.ScoringOptions("pip", "block"), 0.2, 2, pairs=pairs,
-                                       texts=texts, seed=seed, progress=False)
+            schedule.prune_iteratively(model, CalibrationData(tok, pairs, texts=texts),
+                                       schedule.ScoringOptions("pip", "block"), 0.2, 2, seed=seed, progress=False)
             io.save_pruned(model, tok, home / f"direct-{seed}")
 
         direct_loop(100)  # warm-up: imports, kernels and file caches must not be charged to either side

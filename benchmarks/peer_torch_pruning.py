@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 
-def prune_width(model, tokenizer, width_ratio: float, prune_hidden: bool, prune_heads: bool = True):  # noqa: ANN001, ANN201
+def prune_width(model, tokenizer, width_ratio: float, prune_hidden: bool, prune_heads: bool = True):
     """Prune a deep copy of `model` with Torch-Pruning's LLM recipe; returns the pruned copy.
 
     `prune_heads=False` leaves attention untouched (q/k/v never roots): the fallback when TP's
@@ -68,7 +68,7 @@ def prune_width(model, tokenizer, width_ratio: float, prune_hidden: bool, prune_
     return model
 
 
-def _sync_config(model) -> None:  # noqa: ANN001
+def _sync_config(model) -> None:
     """Write the pruned shapes back into the config and the attention modules (as the TP example does)."""
     config = model.config
     config.hidden_size = model.lm_head.in_features
@@ -90,11 +90,11 @@ def _sync_config(model) -> None:  # noqa: ANN001
             config.intermediate_size = module.gate_proj.out_features
 
 
-def param_count(model) -> int:  # noqa: ANN001
+def param_count(model) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def check_forward(model, tokenizer) -> float:  # noqa: ANN001
+def check_forward(model, tokenizer) -> float:
     """Loss on a sentence: a pruned model that no longer runs must fail here, not in evaluation."""
     ids = torch.tensor([tokenizer.encode("It is a truth universally acknowledged, that a single man.")])
     with torch.no_grad():

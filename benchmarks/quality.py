@@ -29,7 +29,7 @@ def score_dir(model_dir: Path, tasks_dir: Path, limit: int) -> dict[str, float]:
     return {"cloze_acc": results[CLOZE]["acc"], "word_perplexity": results[PPL]["word_perplexity"]}
 
 
-def evaluate(model, tokenizer, model_dir: Path, limit: int, scratch: Path) -> dict[str, float]:  # noqa: ANN001
+def evaluate(model, tokenizer, model_dir: Path, limit: int, scratch: Path) -> dict[str, float]:
     from pip_core import io
 
     out = scratch / "m"
@@ -51,6 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from pip_core import io, schedule
+    from pip_core.importance import CalibrationData
 
     base, tokenizer = io.load(args.model)
     scratch = Path(tempfile.mkdtemp())
@@ -64,9 +65,9 @@ def main() -> None:
                 for seed in [int(s) for s in seeds.split(",")]:
                     pairs, texts = calibration_pairs(args.model, args.pairs, seed)
                     model = copy.deepcopy(base)
-                    result = schedule.prune_iteratively(model, tokenizer, schedule.ScoringOptions(method, unit), ratio,
-                                                        args.iterations,
-                                                        pairs=pairs, texts=texts, seed=seed, progress=False)
+                    result = schedule.prune_iteratively(model, CalibrationData(tokenizer, pairs, texts=texts),
+                                                        schedule.ScoringOptions(method, unit), ratio, args.iterations,
+                                                        seed=seed, progress=False)
                     metrics = evaluate(model, tokenizer, args.model, args.limit, scratch)
                     row = {"unit": unit, "ratio": ratio, "method": method, "seed": seed,
                            "achieved_ratio": result.achieved_ratio, **metrics,

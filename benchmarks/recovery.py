@@ -48,8 +48,9 @@ def main() -> None:
         compare(args)
         return
     from pip_core import io, schedule
+    from pip_core.importance import CalibrationData
     from pip_core.perplexity import perplexity
-    from pip_core.recovery import recover_lora
+    from pip_core.recovery import RecoveryOptions, recover_lora
 
     scratch = Path(tempfile.mkdtemp())
     model, tok = io.load(args.model)
@@ -57,13 +58,13 @@ def main() -> None:
     held = [json.loads(line)["text"] for line in open(args.model / "tasks" / "persuasion.jsonl")][:30]
     stages = {"dense": {"token_ppl": perplexity(model, tok, held)["perplexity"],
                         **evaluate(model, tok, args.model, args.limit, scratch)}}
-    schedule.prune_iteratively(model, tok, schedule.ScoringOptions("pip", args.unit), args.ratio, 2, pairs=pairs,
-                               texts=texts, progress=False)
+    schedule.prune_iteratively(model, CalibrationData(tok, pairs, texts=texts), schedule.ScoringOptions("pip", args.unit),
+                               args.ratio, 2, progress=False)
     stages["pruned"] = {"token_ppl": perplexity(model, tok, held)["perplexity"],
                         **evaluate(model, tok, args.model, args.limit, scratch)}
     train = [json.loads(line)["text"] for line in open(args.model / "calibration" / "calibration.jsonl")]
     start = time.perf_counter()
-    model, report = recover_lora(model, tok, train, steps=args.steps, progress=False)
+    model, report = recover_lora(model, tok, train, RecoveryOptions(steps=args.steps, progress=False))
     seconds = time.perf_counter() - start
     stages["recovered"] = {"token_ppl": perplexity(model, tok, held)["perplexity"],
                            **evaluate(model, tok, args.model, args.limit, scratch)}
@@ -96,14 +97,15 @@ def compare(args: argparse.Namespace) -> None:
     from benchmarks.divergence import heldout_texts
     from pip_core import io, schedule
     from pip_core.divergence import doc_stats
-    from pip_core.recovery import recover_kd, recover_lora
+    from pip_core.importance import CalibrationData
+    from pip_core.recovery import RecoveryOptions, recover_kd, recover_lora
 
     seeds = [int(s) for s in args.seeds.split(",")]
     dense, tok = io.load(args.model, dtype="float32")
     pairs, texts = calibration_pairs(args.model, 32, seed=0)
     pruned = copy.deepcopy(dense)
-    schedule.prune_iteratively(pruned, tok, schedule.ScoringOptions("pip", args.unit), args.ratio, args.iterations,
-                               pairs=pairs, texts=texts, progress=False)
+    schedule.prune_iteratively(pruned, CalibrationData(tok, pairs, texts=texts), schedule.ScoringOptions("pip", args.unit),
+                               args.ratio, args.iterations, progress=False)
     sets = {name: heldout_texts(args.model, name) for name in args.heldout.split(",")}
     train = [json.loads(line)["text"] for line in open(args.model / "calibration" / "calibration.jsonl")]
     held = {t for texts_, _ in sets.values() for t in texts_}
@@ -117,14 +119,14 @@ def compare(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             report = None
             if kind == "lora":
-                model, report = recover_lora(model, tok, train, steps=args.steps, lr=args.lr,
-                                             batch_size=args.batch_size, max_length=args.max_length, seed=seed,
-                                             progress=False)
+                model, report = recover_lora(model, tok, train, RecoveryOptions(
+                    steps=args.steps, lr=args.lr, batch_size=args.batch_size, max_length=args.max_length, seed=seed,
+                    progress=False))
             elif kind == "kd":
-                model, report = recover_kd(model, dense, tok, train, steps=args.steps, params=params,
-                                           lr=args.lr if params == "lora" else args.full_lr,
-                                           batch_size=args.batch_size, max_length=args.max_length,
-                                           temperature=args.temperature, seed=seed, progress=False)
+                model, report = recover_kd(model, dense, tok, train, RecoveryOptions(
+                    steps=args.steps, kd_params=params, lr=args.lr if params == "lora" else args.full_lr,
+                    batch_size=args.batch_size, max_length=args.max_length, temperature=args.temperature, seed=seed,
+                    progress=False))
             seconds = time.perf_counter() - start
             run = {"variant": name, "seed": seed, "train_seconds": seconds,
                    "tokens": report.tokens if report else 0,
@@ -143,7 +145,7 @@ def compare(args: argparse.Namespace) -> None:
     print(path)
 
 
-def _stats(run: dict, heldout: str):  # noqa: ANN202 - pip_core.divergence.DocStats
+def _stats(run: dict, heldout: str):  # pip_core.divergence.DocStats
     from pip_core.divergence import DocStats
 
     return DocStats.from_json(run["heldout"][heldout]["docs"])

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ROOT, calibration_pairs, write
+from pip_core.importance import CalibrationData
 
 
 def default_model() -> Path:
@@ -29,7 +30,7 @@ def default_model() -> Path:
 
 
 @torch.no_grad()
-def kl_to_dense(dense, pruned, tokenizer, texts: list[str]) -> float:  # noqa: ANN001
+def kl_to_dense(dense, pruned, tokenizer, texts: list[str]) -> float:
     """Mean per-token KL(dense || pruned) of the next-token distributions on `texts`."""
     total, count = 0.0, 0
     for text in texts:
@@ -41,7 +42,7 @@ def kl_to_dense(dense, pruned, tokenizer, texts: list[str]) -> float:  # noqa: A
     return total / count
 
 
-def speed_row(dense, pruned, tokenizer, prompts: torch.Tensor, measure: dict, plan, unit: str, align: int,  # noqa: ANN001
+def speed_row(dense, pruned, tokenizer, prompts: torch.Tensor, measure: dict, plan, unit: str, align: int,
               ratio: float) -> dict:
     """One table row: the planned cut's shapes and the pruned model's decode speed against the dense one's,
     both measured now on the same prompts (dense beside each row, so both see the same machine noise)."""
@@ -80,6 +81,7 @@ def _write(model_dir: Path, config: dict, args: argparse.Namespace, rows: list[d
 def main() -> None:
     from pip_core import io, schedule, serving
     from pip_core.budget import plan_budget
+    from pip_core.rules import Selection
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, default=None)
@@ -99,10 +101,10 @@ def main() -> None:
     rows = []
     for ratio in [float(r) for r in args.ratios.split(",")]:
         for unit, align in runs:
-            plan = plan_budget(config, f"ratio={ratio}", unit=unit, iterations=2, align=align)
+            plan = plan_budget(config, f"ratio={ratio}", Selection(unit=unit, align=align), iterations=2)
             pruned, _ = io.load(model_dir)
             options = schedule.ScoringOptions("pip", unit, width_mode="uniform", align=plan.effective_align)
-            schedule.prune_iteratively(pruned, tokenizer, options, plan.ratio, 2, pairs=pairs, progress=False)
+            schedule.prune_iteratively(pruned, CalibrationData(tokenizer, pairs), options, plan.ratio, 2, progress=False)
             rows.append({**speed_row(dense, pruned, tokenizer, prompts, measure, plan, unit, align, ratio),
                          "kl_to_dense": kl_to_dense(dense, pruned, tokenizer, heldout)})
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("dense", "pruned")}), flush=True)

@@ -36,6 +36,7 @@ def main() -> None:
     from benchmarks.divergence import N_BOOT, ci, heldout_texts
     from pip_core import bootstrap, io, schedule
     from pip_core.divergence import DocStats, doc_stats
+    from pip_core.importance import CalibrationData
 
     base, tokenizer = io.load(args.model)
     heldout, heldout_digest = heldout_texts(args.model, "persuasion")
@@ -48,8 +49,8 @@ def main() -> None:
             for mode in MODES:
                 model = copy.deepcopy(base)
                 options = schedule.ScoringOptions(args.method, "width", width_mode=mode)
-                result = schedule.prune_iteratively(model, tokenizer, options, ratio, args.iterations, pairs=pairs,
-                                                    texts=texts, seed=seed, progress=False)
+                result = schedule.prune_iteratively(model, CalibrationData(tokenizer, pairs, texts=texts), options, ratio,
+                                                    args.iterations, seed=seed, progress=False)
                 metrics = evaluate(model, tokenizer, args.model, args.limit, scratch)
                 stock = not (scratch / "m" / "modeling_pipprune.py").exists()
                 stats = doc_stats(base, model, tokenizer, heldout)

@@ -17,7 +17,6 @@ from prefect.runtime import flow_run
 from flows import records
 from flows.export import check_export, export_stage
 from flows.records import CompressSummary
-from infra.calibration import CalibrationSource
 from infra.config import CompressConfig
 from infra.locks import run_lock
 from infra.memory import MemoryWatch
@@ -61,14 +60,13 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     source = resolve_source(config.model)
     check_export(config, source.model)  # export: a model GGUF cannot express is refused before any work
     budget = plan_budget(config, source)  # the target as a removal ratio and aligned widths, from config.json alone
-    source_digest = CalibrationSource(config.calibration.source, config.calibration.wordlist).digest()
-    calib = prepare_calibration(config.calibration, config.seed, source_digest)
+    calib = prepare_calibration(config.calibration, config.seed)
     run_key = records.run_key_for(config, source.model.fingerprint, calib.data_hash, calib.wordlist_hash)
     lineage = records.lineage_tags(config, run_key, source, calib, str(flow_run.id))
     stage(f"inputs: {config.model}: {source.model.num_params:,} parameters; {calib.n_pairs} calibration pairs")
     with run_lock(Settings(), run_key), tracking_run(run_key, records.run_params(config, calib), lineage) as run_id:
-        log_datasets(run_id, config.calibration.source, calib)
-        run = records.RunContext(config, run_key, run_id, lineage, source, calib, source_digest, memory)
+        log_datasets(run_id, calib)
+        run = records.RunContext(config, run_key, run_id, lineage, source, calib, memory, out_dir, overwrite)
         # 2. the dense model, measured once while it is the model in hand (no copy of it is kept beside the pruned)
         dense = _measure_dense(run)
         # 3. prune in re-scored steps; each is checkpointed to S3, and a rerun resumes after the last one
@@ -77,13 +75,13 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
         pre_recovery = records.heldout(history[-1]) if config.recovery.enabled else None
         model = _recovery_stage(run, model, done, history)
         # 5. the compressed model measured as the dense one was, judged, signed, registered
-        return _finish(run, model, budget, dense, history, records.Resumed(len(done), pre_recovery), out_dir, overwrite)
+        return _finish(run, model, budget, dense, history, records.Resumed(len(done), pre_recovery))
 
 
 def _measure_dense(run: records.RunContext) -> records.DenseFigures:
     """Held-out perplexity (and the dense log-probabilities later steps compare with), lm-eval, serving, samples."""
     config, rt, ev = run.config, run.config.runtime, run.config.evaluation
-    before = quick_eval(run.source.model, run.calib, config.calibration.max_length, rt, reference=run.source.model)
+    before = quick_eval(run.source.model, run.calib, rt, reference=run.source.model)
     lm_eval = evaluate(run.source.model, ev.tasks, ev.include_path, tasks_digest(ev.include_path), ev.limit, rt)
     serving = measure_serving(run.source.model, run.calib, config.serving, rt)
     samples = generate_samples(run.source.model, ev.prompts, ev.new_tokens, rt)
@@ -94,17 +92,17 @@ def _measure_dense(run: records.RunContext) -> records.DenseFigures:
 def _prune_steps(run: records.RunContext, budget: BudgetRef,
                  before: dict[str, float]) -> tuple[ModelRef, list[dict], list[dict]]:
     """Score, select, prune, quick-eval, checkpoint and log each step not yet in S3."""
-    config, rt, max_length = run.config, run.config.runtime, run.config.calibration.max_length
+    config, rt = run.config, run.config.runtime
     scoring, total = aligned(config.scoring, budget), run.source.model.num_params
     done = find_resume_point(run.run_key)
     model, history = records.resumed_history(run.source.model, before, done[:config.scoring.iterations])
     progress = StepProgress(config.scoring.iterations)
     for i, cumulative in list(enumerate(plan(budget.ratio, config.scoring.iterations), start=1))[len(done):]:
         spec = step_spec(i, cumulative, total, model.num_params, config.seed)
-        stats = score_units(model, run.calib, scoring, spec, max_length, rt)
+        stats = score_units(model, run.calib, scoring, spec, rt)
         selection = select_units(stats, scoring, spec)
         pruned = prune_step(model, selection, rt)
-        quick = quick_eval(pruned, run.calib, max_length, rt, reference=run.source.model)
+        quick = quick_eval(pruned, run.calib, rt, reference=run.source.model)
         metrics = records.step_metrics(quick, pruned, total, selection, stats)
         model = checkpoint(run.run_key, i, pruned, selection.table_path,
                            records.step_record(i, selection, metrics, pruned, run.lineage))
@@ -126,11 +124,10 @@ def _recovery_stage(run: records.RunContext, model: ModelRef, done: list[dict], 
         history.append(records.history_row(stage_no, recovered, metrics))
         return recovered
     stage(f"recovery: {config.recovery.kind}, {config.recovery.steps} steps")
-    max_length, rt = config.calibration.max_length, config.runtime
+    rt = config.runtime
     teacher = run.source.model if config.recovery.kind == "kd" else None  # distillation: the dense model teaches
-    result = recover(model, run.calib, config.calibration.source, run.source_digest, config.recovery, config.seed,
-                     max_length, rt, teacher)
-    quick = quick_eval(result.model, run.calib, max_length, rt, reference=run.source.model)
+    result = recover(model, run.calib, config.recovery, config.seed, rt, teacher)
+    quick = quick_eval(result.model, run.calib, rt, reference=run.source.model)
     metrics = records.recovery_metrics(quick, result, history[0]["num_params"])
     recovered = checkpoint(run.run_key, stage_no, result.model, None,
                            records.recovery_record(stage_no, config, metrics, model, result, teacher, run.lineage))
@@ -140,7 +137,7 @@ def _recovery_stage(run: records.RunContext, model: ModelRef, done: list[dict], 
 
 
 def _finish(run: records.RunContext, model: ModelRef, budget: BudgetRef, dense: records.DenseFigures,
-            history: list[dict], resumed: records.Resumed, out_dir: str | None, overwrite: bool) -> CompressSummary:
+            history: list[dict], resumed: records.Resumed) -> CompressSummary:
     """lm-eval, serving and samples of the compressed model, the quality verdict, signature, version, summary."""
     config, rt, ev = run.config, run.config.runtime, run.config.evaluation
     final_eval = evaluate(model, ev.tasks, ev.include_path, tasks_digest(ev.include_path), ev.limit, rt)
@@ -149,7 +146,7 @@ def _finish(run: records.RunContext, model: ModelRef, budget: BudgetRef, dense: 
     samples = log_samples(run.run_id, records.sample_rows(ev.prompts, dense.samples,
                                                           generate_samples(model, ev.prompts, ev.new_tokens, rt)))
     verdict = records.quality_verdict(ev, records.heldout(history[-1]))
-    provenance = eval_provenance(run.source.model, run.calib, config.calibration.max_length, final_eval, dense.lm_eval)
+    provenance = eval_provenance(run.source.model, run.calib, final_eval, dense.lm_eval)
     log_eval_provenance(run.run_id, provenance)
     budget_tags = log_budget(run.run_id, budget, model, run.source.model.num_params)
     signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3
@@ -160,13 +157,13 @@ def _finish(run: records.RunContext, model: ModelRef, budget: BudgetRef, dense: 
     exports = export_stage(config, version, model, run.source.model, run.run_id, run.calib)  # optional: GGUF
     memory = records.memory_figures(run.memory, run.source.model.num_params,  # the whole run's peak, export included
                                     placement_for(run.source.model, rt).dtype)
-    summary = records.summary(run, version, model, history, dense, final_eval.results, resumed, out_dir,
+    summary = records.summary(run, version, model, history, dense, final_eval.results, resumed,
                               records.Judgement(verdict=verdict, samples=samples, memory=memory))
     summary.exports = exports
     log_final(run.run_id, records.final_metrics(run.source.model.num_params, model, history, dense, final_eval.results,
                                                 memory), summary.model_dump())
-    if out_dir:
-        export(model, Path(out_dir), summary, overwrite)
+    if run.out_dir:
+        export(model, Path(run.out_dir), summary, run.overwrite)
     return summary
 
 

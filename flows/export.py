@@ -83,5 +83,5 @@ def export_stage(config: CompressConfig, version: str, model: ModelRef, dense: M
             raise ValueError("export: no held-out texts to measure the GGUF file on (calibration.heldout_samples is 0 "
                              "and the source has no tasks/persuasion.jsonl)")
     parent = parent_of_run(config.registered_model_name, version, run_id, model, dense)
-    return [export_version(parent, quant, str(heldout), config.calibration.max_length, config.export.registered_model_name,
+    return [export_version(parent, quant, str(heldout), calib.max_length, config.export.registered_model_name,
                            config.evaluation).model_dump(mode="json") for quant in config.export.quant]

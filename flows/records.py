@@ -14,6 +14,38 @@ from pydantic import BaseModel
 
 from infra.config import CompressConfig, EvaluationSettings
 from infra.memory import MemoryWatch
+from infra.tags import (
+    CALIBRATION_HASH,
+    CODE_DIGEST,
+    CONFIG_DIGEST,
+    FINAL_CHECKPOINT,
+    GIT_SHA,
+    ITERATIONS,
+    MANIFEST_SHA256,
+    METHOD,
+    MLFLOW_RUN_ID,
+    MODEL_FINGERPRINT,
+    PREFECT_FLOW_RUN_ID,
+    QUALITY_MAX_KL,
+    QUALITY_MAX_PPL_RATIO,
+    QUALITY_REASONS,
+    QUALITY_VERDICT,
+    RATIO,
+    RECOVERY_KD_PARAMS,
+    RECOVERY_KIND,
+    RECOVERY_STEPS,
+    RECOVERY_TEMPERATURE,
+    RUN_KEY,
+    S3_URI,
+    SOURCE_FINGERPRINT,
+    SOURCE_GGUF_FILE,
+    SOURCE_GGUF_PATH,
+    SOURCE_GGUF_QUANT_TYPES,
+    SOURCE_GGUF_SHA256,
+    SOURCE_MODEL,
+    UNIT,
+    WORDLIST_HASH,
+)
 from infra.version import code_digest, git_sha
 from tasks.refs import CalibrationRef, ModelRef, PrunePlan, SignatureRef, SourceRef, StatsRef
 
@@ -61,8 +93,10 @@ class RunContext:
     lineage: dict[str, str]
     source: SourceRef
     calib: CalibrationRef
-    source_digest: str
-    memory: MemoryWatch
+    memory: MemoryWatch  # the process baseline, read before any model
+    #: where the final model is copied (None: nowhere), and whether a previous pipprune output there may be replaced
+    out_dir: str | None = None
+    overwrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,15 +141,15 @@ def lineage_tags(config: CompressConfig, run_key: str, source: SourceRef, calib:
                  flow_run_id: str) -> dict[str, str]:
     """Tags that tie the run (and later the model version) to its inputs and code."""
     return {
-        "pipprune.run_key": run_key,
-        "pipprune.source_model": config.model,
-        "pipprune.source_fingerprint": source.model.fingerprint,
-        "pipprune.calibration_hash": calib.data_hash,
-        "pipprune.wordlist_hash": calib.wordlist_hash,
-        "pipprune.config_digest": config.digest(),
-        "pipprune.code_digest": code_digest(),
-        "pipprune.git_sha": git_sha(),
-        "pipprune.prefect_flow_run_id": flow_run_id,
+        RUN_KEY: run_key,
+        SOURCE_MODEL: config.model,
+        SOURCE_FINGERPRINT: source.model.fingerprint,
+        CALIBRATION_HASH: calib.data_hash,
+        WORDLIST_HASH: calib.wordlist_hash,
+        CONFIG_DIGEST: config.digest(),
+        CODE_DIGEST: code_digest(),
+        GIT_SHA: git_sha(),
+        PREFECT_FLOW_RUN_ID: flow_run_id,
         **gguf_tags(source.gguf),
     }
 
@@ -124,8 +158,8 @@ def gguf_tags(record: dict | None) -> dict[str, str]:
     """What a GGUF source was (its dequantized weights are the dense model): the file, its sha256, its types."""
     if not record:
         return {}
-    return {"pipprune.source_gguf_file": record["file"], "pipprune.source_gguf_path": record["path"],
-            "pipprune.source_gguf_sha256": record["sha256"], "pipprune.source_gguf_quant_types": record["quant_types"]}
+    return {SOURCE_GGUF_FILE: record["file"], SOURCE_GGUF_PATH: record["path"],
+            SOURCE_GGUF_SHA256: record["sha256"], SOURCE_GGUF_QUANT_TYPES: record["quant_types"]}
 
 
 def run_params(config: CompressConfig, calib: CalibrationRef) -> dict:
@@ -194,7 +228,7 @@ def describe_figures(heldout_metrics: dict[str, float], lm_eval: dict[str, dict[
     return ", ".join(parts) or "no held-out texts and no lm-eval tasks"
 
 
-def recovery_metrics(quick: dict[str, float], result: Any, total: int) -> dict[str, float]:  # noqa: ANN401
+def recovery_metrics(quick: dict[str, float], result: Any, total: int) -> dict[str, float]:
     """Step N+1's metrics: the quick eval after recovery plus what the recovery did (tasks.recovery.RecoveryResult)."""
     return {**quick, "num_params": float(result.model.num_params),
             "achieved_ratio": removed_fraction(total, result.model.num_params),
@@ -204,7 +238,7 @@ def recovery_metrics(quick: dict[str, float], result: Any, total: int) -> dict[s
 
 
 def recovery_record(stage: int, config: CompressConfig, metrics: dict[str, float], pruned: ModelRef,
-                    result: Any, teacher: ModelRef | None, lineage: dict[str, str]) -> dict:  # noqa: ANN401
+                    result: Any, teacher: ModelRef | None, lineage: dict[str, str]) -> dict:
     """The checkpoint manifest's metadata for the recovery stage."""
     return {"iteration": stage, "stage": "recovery", "units_removed": [], "metrics": metrics,
             "recovery": config.recovery.model_dump(), "pruned_model_fingerprint": pruned.fingerprint,
@@ -239,8 +273,8 @@ def quality_verdict(gate: EvaluationSettings, after: dict[str, float]) -> dict[s
 
 
 def verdict_tags(verdict: dict[str, Any]) -> dict[str, str]:
-    return {"pipprune.quality.verdict": verdict["verdict"], "pipprune.quality.reasons": "; ".join(verdict["reasons"]),
-            "pipprune.quality.max_kl": str(verdict["max_kl"]), "pipprune.quality.max_ppl_ratio": str(verdict["max_ppl_ratio"])}
+    return {QUALITY_VERDICT: verdict["verdict"], QUALITY_REASONS: "; ".join(verdict["reasons"]),
+            QUALITY_MAX_KL: str(verdict["max_kl"]), QUALITY_MAX_PPL_RATIO: str(verdict["max_ppl_ratio"])}
 
 
 def memory_figures(watch: MemoryWatch, num_params: int, dtype: str) -> dict[str, float]:
@@ -257,12 +291,12 @@ def version_tags(config: CompressConfig, lineage: dict[str, str], model: ModelRe
     from infra.eval_provenance import tags as provenance_tags
 
     return {**(provenance_tags(eval_provenance) if eval_provenance else {}),
-            **lineage, "pipprune.model_fingerprint": model.fingerprint, "pipprune.s3_uri": model.s3_uri or "",
-            "pipprune.manifest_sha256": model.manifest_sha256 or "", "pipprune.mlflow_run_id": run_id,
-            "pipprune.iterations": str(config.scoring.iterations), "pipprune.method": config.scoring.method,
-            "pipprune.final_checkpoint": str(config.scoring.iterations + int(config.recovery.enabled)),
-            "pipprune.recovery_steps": str(config.recovery.steps), **recovery_tags(config),
-            "pipprune.unit": config.scoring.unit, "pipprune.ratio": str(config.ratio),
+            **lineage, MODEL_FINGERPRINT: model.fingerprint, S3_URI: model.s3_uri or "",
+            MANIFEST_SHA256: model.manifest_sha256 or "", MLFLOW_RUN_ID: run_id,
+            ITERATIONS: str(config.scoring.iterations), METHOD: config.scoring.method,
+            FINAL_CHECKPOINT: str(config.scoring.iterations + int(config.recovery.enabled)),
+            RECOVERY_STEPS: str(config.recovery.steps), **recovery_tags(config),
+            UNIT: config.scoring.unit, RATIO: str(config.ratio),
             **(signature.tags() if signature else {})}
 
 
@@ -271,16 +305,16 @@ def recovery_tags(config: CompressConfig) -> dict[str, str]:
     r = config.recovery
     if not r.enabled:
         return {}
-    kd = {"pipprune.recovery_kd_params": r.kd_params, "pipprune.recovery_temperature": str(r.temperature)}
-    return {"pipprune.recovery_kind": r.kind, **(kd if r.kind == "kd" else {})}
+    kd = {RECOVERY_KD_PARAMS: r.kd_params, RECOVERY_TEMPERATURE: str(r.temperature)}
+    return {RECOVERY_KIND: r.kind, **(kd if r.kind == "kd" else {})}
 
 
 def summary(run: RunContext, version: str, model: ModelRef, history: list[dict], dense: DenseFigures,
-            final_eval: dict, resumed: Resumed, out_dir: str | None, judgement: Judgement) -> CompressSummary:
+            final_eval: dict, resumed: Resumed, judgement: Judgement) -> CompressSummary:
     total, ev = run.source.model.num_params, run.config.evaluation
     return CompressSummary(
         run_key=run.run_key, mlflow_run_id=run.run_id, registered_model=run.config.registered_model_name,
-        model_version=version, s3_uri=model.s3_uri or "", out_dir=out_dir, params_before=total,
+        model_version=version, s3_uri=model.s3_uri or "", out_dir=run.out_dir, params_before=total,
         params_after=model.num_params, achieved_ratio=removed_fraction(total, model.num_params),
         metrics_before={**heldout(history[0]), **flatten_eval("eval", dense.lm_eval.results)},
         metrics_after={**heldout(history[-1]), **flatten_eval("eval", final_eval)}, iterations_resumed=resumed.steps,

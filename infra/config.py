@@ -11,11 +11,13 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+if TYPE_CHECKING:
+    from pip_core.recovery import RecoveryOptions
 from pip_core.vocabulary import (
     BLOCK_ONLY_METHODS,
     MAX_RATIO,
@@ -121,6 +123,13 @@ class RecoverySettings(_Group):
     @property
     def enabled(self) -> bool:
         return self.steps > 0
+
+    def options(self, max_length: int, seed: int) -> RecoveryOptions:
+        """This group as pip_core's recovery takes it, with the run's text length and seed."""
+        from pip_core.recovery import RecoveryOptions
+
+        fields = self.model_dump(include={"steps", "rank", "lr", "batch_size", "kd_params", "temperature"})
+        return RecoveryOptions(**fields, max_length=max_length, seed=seed)
 
 
 class ExportSettings(_Group):

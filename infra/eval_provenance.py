@@ -20,10 +20,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from infra.tags import EVAL_PREFIX
+
 SCHEMA = 1
 #: the MLflow artifact holding the full record
 ARTIFACT = "eval_provenance.json"
-TAG_PREFIX = "pipprune.eval."
 #: MLflow caps a tag value (5000 chars for model version tags); the full record is in the artifact
 _TAG_MAX = 4000
 
@@ -101,7 +102,13 @@ def heldout_record(tokenizer, texts: Sequence[str], max_length: int, source: str
     """The held-out set behind perplexity and the KL / top-1 / ppl-ratio figures: digest, documents, tokens."""
     payload = json.dumps(list(texts), ensure_ascii=False).encode()
     tokens = sum(max(len(tokenizer(t, truncation=True, max_length=max_length)["input_ids"]) - 1, 0) for t in texts)
-    out = {"source": source, "sha256": _sha256(payload), "documents": len(texts), "tokens": int(tokens),
+    return heldout_figures(source, _sha256(payload), len(texts), tokens, max_length, chunk_tokens)
+
+
+def heldout_figures(source: str, sha256: str, documents: int, tokens: int, max_length: int,
+                    chunk_tokens: int | None = None) -> dict:
+    """The held-out record's shape, shared by the flow (`heldout_record`) and `pipprune eval --reference`."""
+    out = {"source": source, "sha256": sha256, "documents": int(documents), "tokens": int(tokens),
            "max_length": int(max_length), "kl": "mean per predicted token of KL(dense || model), natural log",
            "ppl_ratio": "exp(mean NLL model - mean NLL dense) over the same tokens"}
     if chunk_tokens is not None:
@@ -130,19 +137,19 @@ def _task_summary(tasks: dict[str, dict]) -> str:
 
 def tags(record: dict) -> dict[str, str]:
     """Compact tags for the run and the registered version: the record's digest plus its key fields."""
-    out = {f"{TAG_PREFIX}provenance_sha256": digest(record), f"{TAG_PREFIX}schema": str(record.get("schema"))}
+    out = {f"{EVAL_PREFIX}provenance_sha256": digest(record), f"{EVAL_PREFIX}schema": str(record.get("schema"))}
     runs = record.get("lm_eval") or {}
     first = runs.get("final") or next(iter(runs.values()), None)
     if first:
-        out.update({f"{TAG_PREFIX}lm_eval_version": str(first["version"]),
-                    f"{TAG_PREFIX}tasks": _task_summary(first["tasks"]),
-                    f"{TAG_PREFIX}limit": str(first["limit"]), f"{TAG_PREFIX}max_length": str(first["max_length"])})
+        out.update({f"{EVAL_PREFIX}lm_eval_version": str(first["version"]),
+                    f"{EVAL_PREFIX}tasks": _task_summary(first["tasks"]),
+                    f"{EVAL_PREFIX}limit": str(first["limit"]), f"{EVAL_PREFIX}max_length": str(first["max_length"])})
         data = sorted({f["sha256"] for t in first["tasks"].values() for f in t["dataset"]["files"].values()})
         if data:
-            out[f"{TAG_PREFIX}data_sha256"] = _sha256(",".join(data).encode())
+            out[f"{EVAL_PREFIX}data_sha256"] = _sha256(",".join(data).encode())
     held = record.get("heldout")
     if held:
-        out.update({f"{TAG_PREFIX}heldout_sha256": held["sha256"], f"{TAG_PREFIX}heldout_tokens": str(held["tokens"]),
-                    f"{TAG_PREFIX}heldout_documents": str(held["documents"]),
-                    f"{TAG_PREFIX}heldout_max_length": str(held["max_length"])})
+        out.update({f"{EVAL_PREFIX}heldout_sha256": held["sha256"], f"{EVAL_PREFIX}heldout_tokens": str(held["tokens"]),
+                    f"{EVAL_PREFIX}heldout_documents": str(held["documents"]),
+                    f"{EVAL_PREFIX}heldout_max_length": str(held["max_length"])})
     return out

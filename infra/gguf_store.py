@@ -23,22 +23,38 @@ from pydantic import BaseModel
 
 from infra.hashing import sha256_bytes, sha256_file
 from infra.signing import SignatureCheck
+from infra.tags import (
+    FORMAT,
+    GGUF_FILE,
+    GGUF_MANIFEST_SHA256,
+    GGUF_MANIFEST_URI,
+    GGUF_QUANT,
+    GGUF_SHA256,
+    MANIFEST_SHA256,
+    MODEL_FINGERPRINT,
+    PARENT_MANIFEST_SHA256,
+    PARENT_MODEL_FINGERPRINT,
+    PARENT_NAME,
+    PARENT_VERSION,
+    RUN_KEY,
+    S3_URI,
+    SOURCE_FINGERPRINT,
+    SOURCE_MODEL,
+)
 
-#: version tags of a GGUF child (flows.export writes them, `trace_export` checks them)
-FORMAT_TAG = "pipprune.format"
 TAGS = {
-    "quant": "pipprune.gguf.quant",
-    "sha256": "pipprune.gguf.sha256",
-    "file": "pipprune.gguf.file",
-    "manifest_uri": "pipprune.gguf.manifest_uri",
-    "manifest_sha256": "pipprune.gguf.manifest_sha256",
-    "parent_name": "pipprune.parent_name",
-    "parent_version": "pipprune.parent_version",
-    "parent_fingerprint": "pipprune.parent_model_fingerprint",
-    "parent_manifest_sha256": "pipprune.parent_manifest_sha256",
+    "quant": GGUF_QUANT,
+    "sha256": GGUF_SHA256,
+    "file": GGUF_FILE,
+    "manifest_uri": GGUF_MANIFEST_URI,
+    "manifest_sha256": GGUF_MANIFEST_SHA256,
+    "parent_name": PARENT_NAME,
+    "parent_version": PARENT_VERSION,
+    "parent_fingerprint": PARENT_MODEL_FINGERPRINT,
+    "parent_manifest_sha256": PARENT_MANIFEST_SHA256,
 }
 #: the parent's lineage tags copied onto the child, which must still equal the parent's
-INHERITED = ("pipprune.run_key", "pipprune.source_model", "pipprune.source_fingerprint")
+INHERITED = (RUN_KEY, SOURCE_MODEL, SOURCE_FINGERPRINT)
 
 
 def export_uri(parent_model_uri: str, quant: str) -> str:
@@ -103,7 +119,7 @@ class ExportRecord(BaseModel):
 
 
 def is_export(tags: dict[str, str]) -> bool:
-    return tags.get(FORMAT_TAG) == "gguf"
+    return tags.get(FORMAT) == "gguf"
 
 
 def trace_export(client, mv, store_for_run_key, trace_parent: Callable[..., Any],  # noqa: ANN001, ANN201 - Lineage
@@ -117,8 +133,8 @@ def trace_export(client, mv, store_for_run_key, trace_parent: Callable[..., Any]
     """
     tags = dict(mv.tags)
     problems: list[str] = []
-    store = store_for_run_key(tags.get("pipprune.run_key", ""))
-    uri, m_uri = tags.get("pipprune.s3_uri", ""), tags.get(TAGS["manifest_uri"], "")
+    store = store_for_run_key(tags.get(RUN_KEY, ""))
+    uri, m_uri = tags.get(S3_URI, ""), tags.get(TAGS["manifest_uri"], "")
     body = store.get_bytes(m_uri) if m_uri else None
     manifest: dict[str, Any] = {}
     if body is None:
@@ -142,23 +158,23 @@ def trace_export(client, mv, store_for_run_key, trace_parent: Callable[..., Any]
     parent_name, parent_version = tags.get(TAGS["parent_name"], ""), tags.get(TAGS["parent_version"], "")
     parent = trace_parent(parent_name, parent_version, verify_signature)
     parent_tags = dict(client.get_model_version(parent_name, parent_version).tags)
-    for key, parent_key in ((TAGS["parent_fingerprint"], "pipprune.model_fingerprint"),
-                            (TAGS["parent_manifest_sha256"], "pipprune.manifest_sha256"),
+    for key, parent_key in ((TAGS["parent_fingerprint"], MODEL_FINGERPRINT),
+                            (TAGS["parent_manifest_sha256"], MANIFEST_SHA256),
                             *((k, k) for k in INHERITED)):
         if tags.get(key) != parent_tags.get(parent_key):
             problems.append(f"tag {key}: GGUF version says {tags.get(key)!r}, parent {parent_name} v{parent_version} "
                             f"says {parent_tags.get(parent_key)!r}")
-    if manifest and manifest.get("parent_model_uri") != parent_tags.get("pipprune.s3_uri"):
+    if manifest and manifest.get("parent_model_uri") != parent_tags.get(S3_URI):
         problems.append(f"GGUF manifest names parent {manifest.get('parent_model_uri')}, the parent version is at "
                         f"{parent_tags.get('pipprune.s3_uri')}")
-    if uri and parent_tags.get("pipprune.s3_uri") and uri != export_uri(parent_tags["pipprune.s3_uri"],
+    if uri and parent_tags.get(S3_URI) and uri != export_uri(parent_tags[S3_URI],
                                                                         tags.get(TAGS["quant"], "")):
         problems.append(f"GGUF folder {uri} is not beside its parent checkpoint {parent_tags['pipprune.s3_uri']}")
     signature = verify_signature(tags, store) if verify_signature is not None else None
     if signature is not None:
         problems.extend(signature.problems)
     dense_check = dense_check or dense_source_check
-    mismatch = dense_check(tags.get("pipprune.source_model", ""), tags.get("pipprune.source_fingerprint", ""))
+    mismatch = dense_check(tags.get(SOURCE_MODEL, ""), tags.get(SOURCE_FINGERPRINT, ""))
     if mismatch:
         problems.append(mismatch)
     problems.extend(f"parent {parent_name} v{parent_version}: {p}" for p in parent.problems)

@@ -146,7 +146,7 @@ def check_quant(quant: str) -> str:
     return name
 
 
-def _file_type(quant: str):  # noqa: ANN202 - gguf.LlamaFileType
+def _file_type(quant: str):  # gguf.LlamaFileType
     import gguf
 
     return gguf.LlamaFileType.ALL_F32 if quant == "f32" else gguf.LlamaFileType[f"MOSTLY_{quant.upper()}"]
@@ -341,7 +341,7 @@ def _write_metadata_only(path: Path, config: dict, fam: GgufFamily, vocab: _Voca
     writer.close()
 
 
-def _same(a: Any, b: Any) -> bool:  # noqa: ANN401
+def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         try:
             return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-12)
@@ -410,17 +410,17 @@ def _permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _iter_weights(model_dir: Path):  # noqa: ANN202 - Iterator[tuple[str, np.ndarray]]
+def _iter_weights(model_dir: Path):  # Iterator[tuple[str, np.ndarray]]
     """(name, float32 array) for every tensor of the safetensors files, in file and key order."""
     from safetensors import safe_open
 
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as fh:
-            for key in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for key in fh.keys():  # safe_open is not a mapping
                 yield key, fh.get_tensor(key).float().numpy()
 
 
-def _ggml_type(quant: str, array: np.ndarray, gguf_name: str):  # noqa: ANN202 - (GGMLQuantizationType, bool)
+def _ggml_type(quant: str, array: np.ndarray, gguf_name: str):  # (GGMLQuantizationType, bool)
     """The type a tensor is stored as, and whether that is a fallback from the asked type."""
     import gguf
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.hashing import sha256_bytes, sha256_dir
+from infra.tags import REMOTE_CODE, REQUIRES_REMOTE_CODE, WEIGHTS
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,10 @@ def build(model_dir: Path, out: Path, run_id: str, model_id: str | None, metadat
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     net, tokenizer = loaded or core_io.load(model_dir, dtype=dtype)
     remote = needs_remote_code(model_dir)
-    metadata = {**metadata, "pipprune.requires_remote_code": str(remote).lower(),
-                "pipprune.weights": f"{MODEL_SUBDIR}/ beside this MLmodel (the pipprune checkpoint)"}
+    metadata = {**metadata, REQUIRES_REMOTE_CODE: str(remote).lower(),
+                WEIGHTS: f"{MODEL_SUBDIR}/ beside this MLmodel (the pipprune checkpoint)"}
     if remote:
-        metadata["pipprune.remote_code"] = ("per-layer widths: config.json auto_map names modeling_pipprune.py in "
+        metadata[REMOTE_CODE] = ("per-layer widths: config.json auto_map names modeling_pipprune.py in "
                                             "model/; MLflow's loader passes trust_remote_code=True for it")
     signature = infer_signature([EXAMPLE_PROMPT], ["generated text"], params=INFERENCE_PARAMS)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,10 +17,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
-import pandas as pd  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import MaxNLocator, PercentFormatter  # noqa: E402
+import matplotlib.pyplot as plt  # the backend must be chosen first
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator, PercentFormatter
 
 #: axis label of the quality curve; lower perplexity is better
 QUALITY_METRIC = "heldout_perplexity"

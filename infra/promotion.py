@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra.signing import SignatureCheck
+from infra.tags import PROMOTION, QUALITY_REASONS, QUALITY_VERDICT
 
 #: MLflow's own alias rule, plus its reserved names
 _ALIAS = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
@@ -157,10 +158,10 @@ class PromotionOutcome(BaseModel):
 def quality_gate(tags: dict[str, str]) -> list[GateResult]:
     """The run's own quality verdict (flows.records.quality_verdict): a version marked `not usable` never
     moves an alias, whatever the gates file says. Versions registered before verdicts existed have none."""
-    verdict = tags.get("pipprune.quality.verdict")
+    verdict = tags.get(QUALITY_VERDICT)
     if verdict is None:
         return []
-    reasons = tags.get("pipprune.quality.reasons", "")
+    reasons = tags.get(QUALITY_REASONS, "")
     return [GateResult(gate="quality verdict", passed=verdict != "not usable", observed=float(verdict == "usable"),
                        threshold=1.0, detail=f"{verdict}" + (f": {reasons}" if reasons else ""))]
 
@@ -209,5 +210,5 @@ def promote(client, name: str, version: str, alias: str, gates: PromotionGates, 
     why = reason or "; ".join(r.detail for r in results) or "no gates configured"
     for key, value in {"by": getpass.getuser(), "at": now, "why": why[:4000],
                        "replaced_version": str(current or "")}.items():
-        client.set_model_version_tag(name, version, f"pipprune.promotion.{alias}.{key}", value)
+        client.set_model_version_tag(name, version, PROMOTION.format(alias=alias, key=key), value)
     return PromotionOutcome(name=name, version=str(version), alias=alias, promoted=True, changed=True, gates=results)

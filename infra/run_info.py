@@ -9,6 +9,8 @@ import logging
 import re
 from typing import Any
 
+from infra.tags import GIT_SHA
+
 log = logging.getLogger(__name__)
 
 #: MLflow 3 files untagged experiments by guessing (ours landed under "GenAI -> Evaluation runs")
@@ -22,7 +24,7 @@ SYSTEM_METRICS_INTERVAL_S = 5.0
 def source_tags(lineage: dict[str, str]) -> dict[str, str]:
     """MLflow's standard source tags: what ran (entry point), which commit, who started it."""
     tags = {"mlflow.source.type": "JOB", "mlflow.source.name": ENTRY_POINT, "mlflow.project.entryPoint": "compress"}
-    sha = lineage.get("pipprune.git_sha", "")
+    sha = lineage.get(GIT_SHA, "")
     if re.fullmatch(r"[0-9a-f]{40}(-dirty)?", sha):
         tags["mlflow.source.git.commit"] = sha.removesuffix("-dirty")
     try:

@@ -26,12 +26,11 @@ from pydantic import BaseModel, Field, computed_field
 
 from infra.hashing import sha256_bytes, sha256_dir
 from infra.settings import Settings
+from infra.tags import S3_URI, SIGNATURE_SHA256, SIGNATURE_URI, SIGNING_KEY_FINGERPRINT
 
 #: the install's own key, created by `stack up` when PIPPRUNE_SIGNING_KEY names none
 INSTALL_KEY = Path("keys") / "signing-key.pem"
 _CURVES = ("secp256r1", "secp384r1", "secp521r1")  # what model-signing accepts
-#: version tags that carry the signature (flows/records.version_tags writes them)
-TAG_URI, TAG_SHA256, TAG_KEY = "pipprune.signature_uri", "pipprune.signature_sha256", "pipprune.signing_key_fingerprint"
 
 
 class SigningError(ValueError):
@@ -217,11 +216,11 @@ def check_version_signature(tags: dict[str, str], store: SignatureStore | None, 
     registered one; model-signing verifies the S3 copy of the model (downloaded as-is into
     `scratch`, not through the manifest, since the manifest is what a bucket writer could forge).
     """
-    uri, model_uri = tags.get(TAG_URI, ""), tags.get("pipprune.s3_uri", "")
-    check = SignatureCheck(signed=bool(uri), uri=uri, sha256=tags.get(TAG_SHA256, ""),
-                           key_fingerprint=tags.get(TAG_KEY, ""))
+    uri, model_uri = tags.get(SIGNATURE_URI, ""), tags.get(S3_URI, "")
+    check = SignatureCheck(signed=bool(uri), uri=uri, sha256=tags.get(SIGNATURE_SHA256, ""),
+                           key_fingerprint=tags.get(SIGNING_KEY_FINGERPRINT, ""))
     if not uri:
-        check.problems.append(f"not signed: the version has no {TAG_URI} tag")
+        check.problems.append(f"not signed: the version has no {SIGNATURE_URI} tag")
         return check
     if store is None or not model_uri:
         check.problems.append("signature: the version names no S3 model to verify")

@@ -103,6 +103,25 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, as the OS hands it out (a stack on free ports: tests, benchmarks)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def free_port_range(count: int, also: tuple[int, ...] = ()) -> int:
+    """The first of `count` consecutive free ports on 127.0.0.1 (the embedded S3 server pins a block of them);
+    base + each offset in `also` must be free too (SeaweedFS' admin gRPC port is its admin port + 10000)."""
+    import random
+
+    for _ in range(400):
+        base = random.randint(20000, 65535 - count - max(also, default=0))
+        if all(_port_free(base + i) for i in (*range(count), *also)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
 def _pid_alive(pid: int | None) -> bool:
     if not pid:
         return False

@@ -6,7 +6,7 @@ download, a flow run or a registered version exists.
 
 In uniform width mode and for blocks the number of units each step removes does not depend on
 the scores (only which units do), so the planner simulates the flow's steps with the selector's
-own rules (`schedule.plan`, `schedule.step_spec`, `alignment.uniform_cuts`) and the figure it
+own rules (`pip_core.rules`, `schedule.plan`, `schedule.step_spec`, `alignment.uniform_cuts`) and the figure it
 prints is the one the run ends at. Per-layer widths depend on the scores; there the planner gives
 the target rounded to one unit.
 
@@ -22,7 +22,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pip_core import alignment, families
+from pip_core import alignment, families, rules
 from pip_core.errors import PipCoreError
 from pip_core.memory_plan import _DTYPE_BYTES, meta_model
 from pip_core.schedule import plan as linear_plan
@@ -188,13 +188,6 @@ class BudgetPlan:
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "achieved_ratio": self.achieved_ratio}
 
-    def tags(self) -> dict[str, str]:
-        """Tags of the run and the registered version: what was asked, what was planned, the alignment."""
-        return {"pipprune.target": self.target, "pipprune.align": str(self.align),
-                "pipprune.align_effective": str(self.effective_align),
-                "pipprune.planned_params": str(self.params_after),
-                "pipprune.planned_ratio": f"{self.achieved_ratio:.6f}",
-                "pipprune.planned_memory_bytes": str(self.memory_after)}
 
 
 @dataclass(frozen=True)
@@ -236,12 +229,12 @@ class _Planner:
     def max_removable(self, s: Shape) -> int:
         """The most one step from `s` may remove (what the selector refuses beyond)."""
         if self.unit == "block":
-            protected = min(self.protect_first, s.layers) + min(self.protect_last, s.layers)
-            return max(0, min(s.layers - 1, s.layers - protected)) * self.block_params(s)
+            return rules.removable_blocks(s.layers, self.protect_first, self.protect_last) * self.block_params(s)
         if self.uniform:
             return sum(c.max_params for c in self._kinds(s).values())
-        prunable_layers = max(0, s.layers - self.protect_first - self.protect_last)
-        per_layer = {"attn": self.arch.attn_unit * (s.kv_heads - 1), "mlp": self.arch.mlp_unit * (s.intermediate - 1)}
+        prunable_layers = s.layers - len(rules.protected_layers(s.layers, self.protect_first, self.protect_last))
+        per_layer = {"attn": self.arch.attn_unit * rules.removable_per_layer(s.kv_heads),
+                     "mlp": self.arch.mlp_unit * rules.removable_per_layer(s.intermediate)}
         return prunable_layers * sum(per_layer[k] for k in KINDS[self.unit])
 
     def granularity(self, s: Shape) -> int:
@@ -259,7 +252,7 @@ class _Planner:
             raise BudgetError(f"a step would remove {to_remove:,} parameters, more than the {self.max_removable(s):,} "
                               "it may without emptying a layer")
         if self.unit == "block":
-            k = math.ceil(to_remove / self.block_params(s))
+            k = rules.blocks_for(to_remove, self.block_params(s))
             return Shape(s.num_params - k * self.block_params(s), s.layers - k, s.kv_heads, s.intermediate)
         if not self.uniform:
             return replace(s, num_params=s.num_params - to_remove)
@@ -285,11 +278,12 @@ class _Planner:
             return None
 
 
-def plan_budget(config: dict, target: Target | str, *, unit: str = "width", width_mode: str = "uniform",
-                iterations: int = 1, align: int = 64, protect_first: int = 1, protect_last: int = 1,
-                dtype: str = "auto", serving: Serving | None = None) -> BudgetPlan:
+def plan_budget(config: dict, target: Target | str, selection: rules.Selection = rules.Selection(), *,
+                iterations: int = 1, dtype: str = "auto", serving: Serving | None = None) -> BudgetPlan:
     """The plan for `target` on the model `config` describes, or BudgetError naming the nearest feasible target."""
     target = Target.parse(target) if isinstance(target, str) else target
+    unit, width_mode, align = selection.unit, selection.width_mode, selection.align
+    protect_first, protect_last = selection.protect_first, selection.protect_last
     if unit not in KINDS:
         raise PipCoreError(f"unknown unit kind {unit!r}; use one of {sorted(KINDS)}")
     if iterations < 1:

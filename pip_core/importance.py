@@ -18,6 +18,8 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -257,7 +259,7 @@ def repr_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], u
     layers = decoder_layers(model)
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def make_hook(i: int):  # noqa: ANN202
+    def make_hook(i: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             h_in = args[0] if args else kwargs["hidden_states"]
             h_out = output[0] if isinstance(output, tuple) else output
@@ -351,7 +353,7 @@ def block_influence(model: nn.Module, tokenizer, texts: Sequence[str], units: Se
     sums = torch.zeros(len(layers), dtype=torch.float64)
     count = 0
 
-    def make_hook(i: int):  # noqa: ANN202
+    def make_hook(i: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             h_in = args[0] if args else kwargs["hidden_states"]
             h_out = output[0] if isinstance(output, tuple) else output
@@ -391,7 +393,7 @@ def removal_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]]
     branch: dict[int, torch.Tensor] = {}
     grads: dict[int, torch.Tensor] = {}
 
-    def make_hook(i: int):  # noqa: ANN202
+    def make_hook(i: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             h_in = args[0] if args else kwargs["hidden_states"]
             h_out = output[0] if isinstance(output, tuple) else output
@@ -431,10 +433,29 @@ def random_scores(units: Sequence[Unit], seed: int) -> torch.Tensor:
     return torch.rand(len(units), generator=generator, dtype=torch.float64)
 
 
-def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=None,  # noqa: ANN001
-          pairs: Sequence[tuple[str, str]] | None = None, texts: Sequence[str] | None = None, seed: int = 0,
-          max_length: int = 128, progress: bool = True, gradient_checkpointing: bool = False) -> torch.Tensor:
-    """Importance of each unit (float64, aligned with `units`; higher = keep).
+@dataclass(frozen=True)
+class CalibrationData:
+    """What the gradient methods run the model on: its tokenizer, the (original, perturbed) pairs PIP
+    compares, and the plain texts taylor / block-influence use (default: the pairs' originals)."""
+
+    tokenizer: Any = None
+    pairs: Sequence[tuple[str, str]] | None = ()
+    texts: Sequence[str] | None = None
+
+    @property
+    def pair_list(self) -> list[tuple[str, str]]:
+        return list(self.pairs or [])
+
+    @property
+    def text_list(self) -> list[str]:
+        return list(self.texts) if self.texts is not None else [p[0] for p in self.pair_list]
+
+
+def score(model: nn.Module, method: str, units: Sequence[Unit], data: CalibrationData = CalibrationData(), *,
+          seed: int = 0, max_length: int = 128, progress: bool = True,
+          gradient_checkpointing: bool = False) -> torch.Tensor:
+    """Importance of each unit (float64, aligned with `units`; higher = keep), on `data` (magnitude and random
+    need none).
 
     `gradient_checkpointing` recomputes each layer's activations during backward instead of
     storing them: same scores, activation memory of one layer instead of all (for large models).
@@ -453,6 +474,7 @@ def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=Non
                 return random_scores(units, seed)
             if method == "magnitude":
                 return magnitude(model, units)
+            tokenizer, pairs = data.tokenizer, data.pair_list
             if tokenizer is None:
                 raise PipCoreError(f"method {method!r} needs a tokenizer")
             if method.startswith("pip"):
@@ -460,11 +482,11 @@ def score(model: nn.Module, method: str, units: Sequence[Unit], *, tokenizer=Non
                 form = (default_form("block" if kinds == {"block"} else "width") if method == "pip"
                         else method.removeprefix("pip_"))
                 if form in REPR_FORMS:
-                    return repr_import(model, tokenizer, pairs or [], units, max_length, progress, form)
+                    return repr_import(model, tokenizer, pairs, units, max_length, progress, form)
                 if form in REMOVAL_FORMS:
-                    return removal_import(model, tokenizer, pairs or [], units, max_length, progress, form)
-                return pert_import(model, tokenizer, pairs or [], units, max_length, progress, form)
-            calib = list(texts) if texts is not None else [p[0] for p in (pairs or [])]
+                    return removal_import(model, tokenizer, pairs, units, max_length, progress, form)
+                return pert_import(model, tokenizer, pairs, units, max_length, progress, form)
+            calib = data.text_list
             if method == "taylor":
                 return taylor(model, tokenizer, calib, units, max_length, progress)
             return block_influence(model, tokenizer, calib, units, max_length, progress)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pip_core import alignment, families
+from pip_core import alignment, families, rules
 from pip_core.errors import PruneError
 from pip_core.families import Family
 from pip_core.units import Unit, check_supported, family_of, layer_shape, param_count
@@ -37,10 +37,11 @@ def select(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target
     `width_mode="uniform"` dispatches attention/MLP units to `select_uniform` (with `align`); blocks
     are always selected here.
 
-    Kinds are ranked separately and each gets a share of the target proportional to its
-    prunable parameters, because scores of a whole attention group and of a single MLP channel
-    are not on one scale. The first/last `protect_*` layers are never touched, and every layer
-    keeps at least one attention group, one MLP channel, and the model at least one block.
+    The rules are `pip_core.rules` (the planner's too): kinds are ranked separately and each gets
+    a share of the target proportional to its prunable parameters, because scores of a whole
+    attention group and of a single MLP channel are not on one scale. The first/last `protect_*`
+    layers are never touched, and every layer keeps at least one attention group, one MLP
+    channel, and the model at least one block.
     """
     if width_mode not in WIDTH_MODES:
         raise PruneError(f"unknown width mode {width_mode!r}; use one of {', '.join(WIDTH_MODES)}")
@@ -49,8 +50,7 @@ def select(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target
         return []
     if width_mode == "uniform" and all(u.kind in ("attn", "mlp") for u in units):
         return select_uniform(units, scores, target_params, align)
-    num_layers = 1 + max(u.layer for u in units)
-    protected = set(range(min(protect_first, num_layers))) | set(range(max(0, num_layers - protect_last), num_layers))
+    protected = rules.protected_layers(1 + max(u.layer for u in units), protect_first, protect_last)
     per_layer_count: dict[tuple[str, int], int] = defaultdict(int)
     for u in units:
         per_layer_count[(u.kind, u.layer)] += 1
@@ -67,18 +67,18 @@ def select(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target
     remaining = target_params
     kinds = sorted(candidates, key=lambda k: prunable[k])
     for n, kind in enumerate(kinds):
-        share = remaining if n == len(kinds) - 1 else round(target_params * prunable[kind] / total_prunable)
+        share = rules.kind_share(target_params, prunable[kind], total_prunable, remaining, last=n == len(kinds) - 1)
         got = 0
         left = dict(per_layer_count)
         blocks_left = sum(1 for u in units if u.kind == "block")
         for _, u in sorted(candidates[kind], key=lambda t: (t[0], t[1].layer, t[1].index or 0)):
-            if got >= share:
+            if got >= share:  # covered: equal blocks make this `rules.blocks_for` (rounded up)
                 break
             if kind == "block":
-                if blocks_left <= 1:
+                if blocks_left <= rules.KEEP_BLOCKS:
                     continue
                 blocks_left -= 1
-            elif left[(kind, u.layer)] <= 1:
+            elif left[(kind, u.layer)] <= rules.KEEP_PER_LAYER:
                 continue
             left[(kind, u.layer)] -= 1
             chosen.append(u)

@@ -23,6 +23,25 @@ log = logging.getLogger(__name__)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+@dataclass(frozen=True)
+class RecoveryOptions:
+    """How a recovery trains, passed whole (`infra.config.RecoverySettings.options` builds it from the config)."""
+
+    steps: int = 60
+    #: LoRA rank (LoRA recovery, or KD with kd_params "lora")
+    rank: int = 8
+    lr: float = 2e-3
+    batch_size: int = 8
+    #: tokens per text (longer texts are truncated)
+    max_length: int = 128
+    seed: int = 0
+    #: KD only: "lora" trains adapters merged back, "full" every weight
+    kd_params: str = "lora"
+    #: KD only: softmax temperature of both models' logits
+    temperature: float = 1.0
+    #: KD only: tokens per chunk of the loss (None: pip_core.distill's default)
+    chunk_tokens: int | None = None
+    progress: bool = True
 
 
 @dataclass(frozen=True)
@@ -77,15 +96,14 @@ def _train(trainable: nn.Module, loss_fn: Callable[[dict[str, torch.Tensor]], to
     return losses, tokens
 
 
-def recover_lora(model: nn.Module, tokenizer, texts: Sequence[str], steps: int = 60, rank: int = 8,  # noqa: ANN001
-                 lr: float = 2e-3, batch_size: int = 8, max_length: int = 128, seed: int = 0,
-                 progress: bool = True) -> tuple[nn.Module, RecoveryReport]:
-    """Train LoRA adapters on `texts` (LM loss) for `steps` steps, merge them, return (merged model, report)."""
+def recover_lora(model: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN001
+                 options: RecoveryOptions = RecoveryOptions()) -> tuple[nn.Module, RecoveryReport]:
+    """Train LoRA adapters on `texts` (LM loss) for `options.steps` steps, merge them, return (merged model, report)."""
     check_supported(model)
-    texts = _texts(texts)
-    torch.manual_seed(seed)
-    generator = torch.Generator().manual_seed(seed)
-    peft_model = _lora(model, rank)
+    texts, o = _texts(texts), options
+    torch.manual_seed(o.seed)
+    generator = torch.Generator().manual_seed(o.seed)
+    peft_model = _lora(model, o.rank)
 
     def lm_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
@@ -93,34 +111,33 @@ def recover_lora(model: nn.Module, tokenizer, texts: Sequence[str], steps: int =
         return peft_model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
                           labels=labels.to(device)).loss
 
-    losses, tokens = _train(peft_model, lm_loss, _batches(tokenizer, texts, steps, batch_size, max_length, generator), lr,
-                    steps, "LoRA recovery", progress)
+    losses, tokens = _train(peft_model, lm_loss, _batches(tokenizer, texts, o.steps, o.batch_size, o.max_length, generator),
+                            o.lr, o.steps, "LoRA recovery", o.progress)
     merged = peft_model.merge_and_unload()
     merged.eval()
-    return merged, RecoveryReport(steps=steps, first_loss=losses[0], last_loss=losses[-1], losses=tuple(losses),
+    return merged, RecoveryReport(steps=o.steps, first_loss=losses[0], last_loss=losses[-1], losses=tuple(losses),
                                 tokens=tokens)
 
 
-def recover_kd(model: nn.Module, teacher: nn.Module, tokenizer, texts: Sequence[str], steps: int = 60,  # noqa: ANN001
-               params: str = "lora", rank: int = 8, lr: float = 2e-3, batch_size: int = 8, max_length: int = 128,
-               temperature: float = 1.0, seed: int = 0, chunk_tokens: int | None = None,
-               progress: bool = True) -> tuple[nn.Module, RecoveryReport]:
+def recover_kd(model: nn.Module, teacher: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN001
+               options: RecoveryOptions = RecoveryOptions()) -> tuple[nn.Module, RecoveryReport]:
     """Distil `teacher` (the dense model) into the pruned `model` on `texts`; returns (model, report).
 
     The loss is `pip_core.distill.kd_loss` (T^2 * KL(teacher_T || student_T) per token, chunked so no
     model's logits exist for the whole sequence). `params="lora"` trains LoRA adapters and merges
-    them; `params="full"` trains every weight of `model` in place. The teacher is never changed.
+    them; `kd_params="full"` trains every weight of `model` in place. The teacher is never changed.
     The batches are the same draws as `recover_lora` with the same seed (same token budget).
     """
     from pip_core.distill import kd_loss
 
+    o, params = options, options.kd_params
     if params not in KD_PARAMS:
         raise PipCoreError(f"distillation params must be one of {KD_PARAMS}, got {params!r}")
     check_supported(model)
     texts = _texts(texts)
-    torch.manual_seed(seed)
-    generator = torch.Generator().manual_seed(seed)
-    trainable = _lora(model, rank) if params == "lora" else model
+    torch.manual_seed(o.seed)
+    generator = torch.Generator().manual_seed(o.seed)
+    trainable = _lora(model, o.rank) if params == "lora" else model
     teacher_modes = [(p, p.requires_grad) for p in teacher.parameters()]
     teacher_training = teacher.training
     teacher.eval()
@@ -129,16 +146,16 @@ def recover_kd(model: nn.Module, teacher: nn.Module, tokenizer, texts: Sequence[
 
     def loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # peft injects the adapters into `model`'s own modules, so `model` itself runs with them
-        return kd_loss(model, teacher, batch["input_ids"], batch["attention_mask"], temperature, chunk_tokens)
+        return kd_loss(model, teacher, batch["input_ids"], batch["attention_mask"], o.temperature, o.chunk_tokens)
 
     try:
-        losses, tokens = _train(trainable, loss, _batches(tokenizer, texts, steps, batch_size, max_length, generator), lr,
-                        steps, f"KD recovery ({params})", progress)
+        losses, tokens = _train(trainable, loss, _batches(tokenizer, texts, o.steps, o.batch_size, o.max_length, generator),
+                                o.lr, o.steps, f"KD recovery ({params})", o.progress)
     finally:
         for p, flag in teacher_modes:
             p.requires_grad_(flag)
         teacher.train(teacher_training)
     out = trainable.merge_and_unload() if params == "lora" else model
     out.eval()
-    return out, RecoveryReport(steps=steps, first_loss=losses[0], last_loss=losses[-1], losses=tuple(losses),
+    return out, RecoveryReport(steps=o.steps, first_loss=losses[0], last_loss=losses[-1], losses=tuple(losses),
                                 tokens=tokens)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from pip_core import importance, prune
 from pip_core.errors import PipCoreError
+from pip_core.importance import CalibrationData
 from pip_core.units import Unit, discover, param_count
 from pip_core.vocabulary import MAX_RATIO
 
@@ -66,14 +67,12 @@ class ScoringOptions:
     align: int = 1
 
 
-def score_step(model: nn.Module, tokenizer, spec: StepSpec, options: ScoringOptions, *,  # noqa: ANN001
-               pairs: Sequence[tuple[str, str]] | None = None, texts: Sequence[str] | None = None,
+def score_step(model: nn.Module, data: CalibrationData, spec: StepSpec, options: ScoringOptions,
                progress: bool = True) -> tuple[list[Unit], list[float]]:
     """First half of a step: every unit of the current model and its score."""
     units = discover(model, options.kind)
-    scores = importance.score(model, options.method, units, tokenizer=tokenizer, pairs=pairs, texts=texts,
-                              seed=spec.seed, max_length=options.max_length, progress=progress,
-                              gradient_checkpointing=options.gradient_checkpointing)
+    scores = importance.score(model, options.method, units, data, seed=spec.seed, max_length=options.max_length,
+                              progress=progress, gradient_checkpointing=options.gradient_checkpointing)
     return units, [float(x) for x in scores.tolist()]
 
 
@@ -94,11 +93,10 @@ class StepReport:
     units: list[Unit] = field(repr=False)
 
 
-def step(model: nn.Module, tokenizer, spec: StepSpec, options: ScoringOptions, total_params: int, *,  # noqa: ANN001
-         pairs: Sequence[tuple[str, str]] | None = None, texts: Sequence[str] | None = None,
+def step(model: nn.Module, data: CalibrationData, spec: StepSpec, options: ScoringOptions, total_params: int, *,
          progress: bool = True) -> StepReport:
     """One pruning step in place: score, select, remove. The flow's tasks run these same three parts."""
-    units, scores = score_step(model, tokenizer, spec, options, pairs=pairs, texts=texts, progress=progress)
+    units, scores = score_step(model, data, spec, options, progress=progress)
     chosen = select_step(units, scores, spec, options)
     prune.apply(model, chosen)
     now = param_count(model)
@@ -117,11 +115,8 @@ class IterativeResult:
         return (self.params_before - self.params_after) / self.params_before
 
 
-def prune_iteratively(model: nn.Module, tokenizer, options: ScoringOptions, target_ratio: float,  # noqa: ANN001
-                      iterations: int, *, pairs: Sequence[tuple[str, str]] | None = None,
-                      texts: Sequence[str] | None = None, seed: int = 0,
-                      callback: Callable[[int, StepReport], None] | None = None,
-                      progress: bool = True) -> IterativeResult:
+def prune_iteratively(model: nn.Module, data: CalibrationData, options: ScoringOptions, target_ratio: float,
+                      iterations: int, *, seed: int = 0, progress: bool = True) -> IterativeResult:
     """Prune `model` in place to `target_ratio` of its parameters removed, in `iterations` calls of `step`.
 
     The ratio counts all parameters (embeddings included), as LLM-Pruner reports it.
@@ -130,10 +125,8 @@ def prune_iteratively(model: nn.Module, tokenizer, options: ScoringOptions, targ
     steps: list[StepReport] = []
     for i, ratio in enumerate(plan(target_ratio, iterations), start=1):
         spec = step_spec(i, ratio, total, param_count(model), seed)
-        report = step(model, tokenizer, spec, options, total, pairs=pairs, texts=texts, progress=progress)
+        report = step(model, data, spec, options, total, progress=progress)
         log.info("step %d: removed %d %s units, ratio %.4f (target %.4f)", i, len(report.removed), options.kind,
                  report.achieved_ratio, ratio)
         steps.append(report)
-        if callback is not None:
-            callback(i, report)
     return IterativeResult(params_before=total, params_after=param_count(model), steps=steps)

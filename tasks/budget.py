@@ -16,8 +16,18 @@ from prefect import task
 from infra.budgeting import plan_for, refusal
 from infra.config import CompressConfig, ScoringSettings
 from infra.mlflow_utils import mlflow_client
+from infra.tags import (
+    ACHIEVED_PARAMS,
+    ACHIEVED_RATIO,
+    ALIGN,
+    ALIGN_EFFECTIVE,
+    PLANNED_MEMORY_BYTES,
+    PLANNED_PARAMS,
+    PLANNED_RATIO,
+    TARGET,
+)
 from pip_core import io as core_io
-from pip_core.budget import BudgetError
+from pip_core.budget import BudgetError, BudgetPlan
 from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
 from tasks.refs import BudgetRef, ModelRef, SourceRef
 
@@ -37,7 +47,14 @@ def plan_budget(config: CompressConfig, source: SourceRef) -> BudgetRef:
              plan.params_before, plan.params_after, 100 * plan.achieved_ratio, plan.effective_align,
              plan.memory_after / 2**20)
     return BudgetRef(ratio=plan.ratio, effective_align=plan.effective_align, params_after=plan.params_after,
-                     tags=plan.tags(), plan=plan.as_dict())
+                     tags=plan_tags(plan), plan=plan.as_dict())
+
+
+def plan_tags(plan: BudgetPlan) -> dict[str, str]:
+    """Tags of the run and the registered version: what was asked, what was planned, the alignment."""
+    return {TARGET: plan.target, ALIGN: str(plan.align), ALIGN_EFFECTIVE: str(plan.effective_align),
+            PLANNED_PARAMS: str(plan.params_after), PLANNED_RATIO: f"{plan.achieved_ratio:.6f}",
+            PLANNED_MEMORY_BYTES: str(plan.memory_after)}
 
 
 def aligned(scoring: ScoringSettings, budget: BudgetRef) -> ScoringSettings:
@@ -53,7 +70,7 @@ def log_budget(run_id: str, budget: BudgetRef, model: ModelRef, total: int) -> d
     from mlflow.entities import Metric
 
     achieved = (total - model.num_params) / total
-    tags = {**budget.tags, "pipprune.achieved_ratio": f"{achieved:.6f}", "pipprune.achieved_params": str(model.num_params)}
+    tags = {**budget.tags, ACHIEVED_RATIO: f"{achieved:.6f}", ACHIEVED_PARAMS: str(model.num_params)}
     client = mlflow_client()
     for key, value in tags.items():
         client.set_tag(run_id, key, value)

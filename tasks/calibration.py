@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from prefect import task
+from prefect.context import TaskRunContext
 
 from infra import atomic
 from infra.calibration import CalibrationSource, calibration_hash, load_calibration
@@ -25,16 +26,23 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     atomic.write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
-@task(name="prepare-calibration", cache_key_fn=key_from("settings", "seed", "source_digest"),
-      persist_result=True, result_serializer="json")
-def prepare_calibration(settings: CalibrationSettings, seed: int, source_digest: str) -> CalibrationRef:
+def _content_key(context: TaskRunContext, parameters: dict) -> str:
+    """The settings and seed plus the source's content (`CalibrationSource.digest`), so editing the
+    calibration file or word list invalidates cached pairs even when their paths are unchanged."""
+    settings = parameters["settings"]
+    digest = CalibrationSource(settings.source, settings.wordlist).digest()
+    return key_from("settings", "seed", "source_digest")(context, {**parameters, "source_digest": digest})
+
+
+@task(name="prepare-calibration", cache_key_fn=_content_key, persist_result=True, result_serializer="json")
+def prepare_calibration(settings: CalibrationSettings, seed: int) -> CalibrationRef:
     """Sample calibration texts, hold some out for quick perplexity, and build perturbed pairs.
 
-    `source_digest` (from `CalibrationSource.digest`) keys the cache on content, so editing the
-    file invalidates cached pairs even when its path is unchanged.
+    The result carries the resolved source, its content digest and `max_length`: what later tasks need of it.
     """
     n_samples, heldout_samples, perturb_rate = settings.n_samples, settings.heldout_samples, settings.perturb_rate
     source = CalibrationSource(settings.source, settings.wordlist)
+    source_digest = source.digest()
     dataset = load_calibration(source.path, n_samples=n_samples + heldout_samples, seed=seed)
     texts = list(dataset["text"])
     if len(texts) < n_samples + heldout_samples:
@@ -55,7 +63,8 @@ def prepare_calibration(settings: CalibrationSettings, seed: int, source_digest:
              len(result.skipped), len(held))
     return CalibrationRef(pairs_path=str(out / "pairs.jsonl"), heldout_path=str(out / "heldout.jsonl"),
                           data_hash=calibration_hash(dataset), wordlist_hash=words.sha256,
-                          n_pairs=len(result.pairs), n_skipped=len(result.skipped), n_heldout=len(held))
+                          n_pairs=len(result.pairs), n_skipped=len(result.skipped), n_heldout=len(held),
+                          source_path=str(source.path), source_digest=source_digest, max_length=settings.max_length)
 
 
 def read_pairs(ref: CalibrationRef) -> list[tuple[str, str]]:

@@ -22,12 +22,12 @@ from tasks.refs import CalibrationRef, ModelRef
 log = logging.getLogger(__name__)
 
 
-@task(name="quick-eval", cache_key_fn=key_from("model", "calib", "max_length", "runtime", "reference"),
+@task(name="quick-eval", cache_key_fn=key_from("model", "calib", "runtime", "reference"),
       persist_result=True, result_serializer="json")
-def quick_eval(model: ModelRef, calib: CalibrationRef, max_length: int,
-               runtime: RuntimeSettings = RuntimeSettings(), reference: ModelRef | None = None) -> dict[str, float]:
+def quick_eval(model: ModelRef, calib: CalibrationRef, runtime: RuntimeSettings = RuntimeSettings(),
+               reference: ModelRef | None = None) -> dict[str, float]:
     """Perplexity on the texts held out from scoring; with `reference` (the dense model) also KL to it."""
-    texts = read_heldout(calib)
+    texts, max_length = read_heldout(calib), calib.max_length
     if not texts:
         return {}
     net, tokenizer = load_model(model, runtime, seq_len=max_length)
@@ -133,18 +133,17 @@ def evaluate(model: ModelRef, tasks: tuple[str, ...], include_path: str | None, 
 
 
 @task(name="eval-provenance")
-def eval_provenance(source: ModelRef, calib: CalibrationRef, max_length: int, final: EvalResult,
-                    dense: EvalResult) -> dict:
+def eval_provenance(source: ModelRef, calib: CalibrationRef, final: EvalResult, dense: EvalResult) -> dict:
     """The provenance record of the run's figures: both lm-eval runs and the held-out set (digest, tokens).
 
     The held-out texts are those of the quick eval (perplexity, KL / top-1 / ppl ratio to the dense
-    model), tokenized as the quick eval does (truncated to `max_length`); only the tokenizer is read.
+    model), tokenized as the quick eval does (truncated to `calib.max_length`); only the tokenizer is read.
     """
     from transformers import AutoTokenizer
 
     texts = read_heldout(calib)
     tokenizer = AutoTokenizer.from_pretrained(ensure_local(source), trust_remote_code=False)
-    heldout = provenance.heldout_record(tokenizer, texts, max_length, "calibration held-out texts (heldout_samples)") \
+    heldout = provenance.heldout_record(tokenizer, texts, calib.max_length, "calibration held-out texts (heldout_samples)") \
         if texts else None
     runs = {role: r.provenance for role, r in (("final", final), ("source", dense)) if r.provenance}
     return provenance.build(runs, heldout)

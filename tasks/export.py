@@ -12,10 +12,20 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
-from infra.gguf_store import FORMAT_TAG, INHERITED, TAGS, PublishedGguf
+from infra.gguf_store import FORMAT, INHERITED, TAGS, PublishedGguf
 from infra.hashing import sha256_bytes
 from infra.mlflow_utils import mlflow_client
 from infra.settings import Settings
+from infra.tags import (
+    GGUF_FILE_TYPE,
+    HELDOUT_SHA256,
+    MANIFEST_SHA256,
+    MLFLOW_RUN_ID,
+    MODEL_FINGERPRINT,
+    S3_URI,
+    SOURCE_FINGERPRINT,
+    SOURCE_MODEL,
+)
 from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
 from tasks.refs import ModelRef, SignatureRef
 
@@ -89,18 +99,18 @@ def resolve_parent(name: str, version: str) -> ParentRef:
     if is_export(tags):
         raise LineageError(f"{name} v{mv.version} is itself a GGUF export; export its parent "
                            f"{tags.get(TAGS['parent_name'])} v{tags.get(TAGS['parent_version'])}")
-    if not tags.get("pipprune.s3_uri") or not tags.get("pipprune.model_fingerprint"):
+    if not tags.get(S3_URI) or not tags.get(MODEL_FINGERPRINT):
         raise LineageError(f"{name} v{mv.version} was not registered by pipprune compress (no S3 checkpoint tags)")
     settings = Settings()
-    fingerprint = tags["pipprune.model_fingerprint"]
+    fingerprint = tags[MODEL_FINGERPRINT]
     model = ModelRef(local_dir=str(settings.work_dir / "models" / f"registered-{fingerprint[:20]}"),
-                     fingerprint=fingerprint, num_params=0, s3_uri=tags["pipprune.s3_uri"],
-                     manifest_sha256=tags.get("pipprune.manifest_sha256"))
+                     fingerprint=fingerprint, num_params=0, s3_uri=tags[S3_URI],
+                     manifest_sha256=tags.get(MANIFEST_SHA256))
     local = ensure_local(model, settings)
     model = model.model_copy(update={"num_params": core_io.param_count_from_dir(local)})
-    source = local_model_dir(tags.get("pipprune.source_model", ""))
+    source = local_model_dir(tags.get(SOURCE_MODEL, ""))
     source_fp = core_io.model_fingerprint(source)
-    if source_fp != tags.get("pipprune.source_fingerprint"):
+    if source_fp != tags.get(SOURCE_FINGERPRINT):
         raise LineageError(f"dense source {source} has fingerprint {source_fp[:12]}, the version was pruned from "
                            f"{tags.get('pipprune.source_fingerprint', '')[:12]}: not the same model")
     dense = ModelRef(local_dir=str(source), fingerprint=source_fp, num_params=core_io.param_count_from_dir(source))
@@ -197,7 +207,7 @@ def publish_gguf(gguf: GgufRef, parent: ParentRef, metrics: dict[str, float]) ->
     store = CheckpointStore.for_uri(Settings(), parent.model.s3_uri or "")
     metadata = {"parent": {"name": parent.name, "version": parent.version, "fingerprint": parent.model.fingerprint,
                            "manifest_sha256": parent.model.manifest_sha256},
-                "dense": {"source_model": parent.tags.get("pipprune.source_model"), "fingerprint": parent.dense.fingerprint},
+                "dense": {"source_model": parent.tags.get(SOURCE_MODEL), "fingerprint": parent.dense.fingerprint},
                 "gguf": gguf.info, "metrics": metrics}
     return gguf_store.publish(store, Path(gguf.path), gguf.quant, parent.model.s3_uri or "", metadata)
 
@@ -236,14 +246,14 @@ def child_tags(parent: ParentRef, gguf: GgufRef, published: PublishedGguf, signa
     """The child version's tags: format, type, digest, parent, the parent's lineage roots, S3 and signature."""
     from infra.hashing import sha256_file
 
-    return {FORMAT_TAG: "gguf", TAGS["quant"]: gguf.quant, TAGS["sha256"]: published.sha256, TAGS["file"]: published.file,
+    return {FORMAT: "gguf", TAGS["quant"]: gguf.quant, TAGS["sha256"]: published.sha256, TAGS["file"]: published.file,
             TAGS["manifest_uri"]: published.manifest_uri, TAGS["manifest_sha256"]: published.manifest_sha256,
             TAGS["parent_name"]: parent.name, TAGS["parent_version"]: parent.version,
             TAGS["parent_fingerprint"]: parent.model.fingerprint,
-            TAGS["parent_manifest_sha256"]: parent.tags.get("pipprune.manifest_sha256", ""),
+            TAGS["parent_manifest_sha256"]: parent.tags.get(MANIFEST_SHA256, ""),
             **{k: parent.tags.get(k, "") for k in INHERITED},
-            "pipprune.s3_uri": published.uri, "pipprune.heldout_sha256": sha256_file(heldout),
-            "pipprune.gguf.file_type": str(gguf.info.get("file_type")), **signature.tags()}
+            S3_URI: published.uri, HELDOUT_SHA256: sha256_file(heldout),
+            GGUF_FILE_TYPE: str(gguf.info.get("file_type")), **signature.tags()}
 
 
 @task(name="register-gguf", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
@@ -281,7 +291,7 @@ def register_gguf(name: str, parent: ParentRef, tags: dict[str, str], metrics: d
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
         raise
     version = client.create_model_version(
-        name, source=tags["pipprune.s3_uri"], run_id=run_id, tags={**tags, "pipprune.mlflow_run_id": run_id},
+        name, source=tags[S3_URI], run_id=run_id, tags={**tags, MLFLOW_RUN_ID: run_id},
         description=f"GGUF ({tags[TAGS['quant']]}) of {parent.name} v{parent.version}: {tags['pipprune.s3_uri']}")
     log.info("registered %s version %s (GGUF of %s v%s)", name, version.version, parent.name, parent.version)
     return str(version.version), run_id

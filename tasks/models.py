@@ -95,7 +95,7 @@ class ModelHandoff:
         with self._lock:
             return role in self._slots
 
-    def put(self, fingerprint: str, net: Any, tokenizer: Any, *, role: str = "working") -> None:  # noqa: ANN401
+    def put(self, fingerprint: str, net: Any, tokenizer: Any, *, role: str = "working") -> None:
         with self._lock:
             self._slots[role] = (fingerprint, net, tokenizer)
 

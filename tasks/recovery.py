@@ -15,7 +15,7 @@ import time
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
-from infra.calibration import CalibrationSource, load_calibration
+from infra.calibration import load_calibration
 from infra.config import RecoverySettings, RuntimeSettings
 from pip_core import io as core_io
 from pip_core.recompute import activation_checkpointing
@@ -41,12 +41,10 @@ class RecoveryResult(BaseModel):
     tokens: int = 0
 
 
-@task(name="recover", cache_key_fn=key_from("model", "calib", "source_digest", "settings", "seed", "max_length",
-                                            "runtime", "teacher"),
+@task(name="recover", cache_key_fn=key_from("model", "calib", "settings", "seed", "runtime", "teacher"),
       persist_result=True, result_serializer="json")
-def recover(model: ModelRef, calib: CalibrationRef, calibration: str, source_digest: str, settings: RecoverySettings,
-            seed: int, max_length: int, runtime: RuntimeSettings = RuntimeSettings(),
-            teacher: ModelRef | None = None) -> RecoveryResult:
+def recover(model: ModelRef, calib: CalibrationRef, settings: RecoverySettings, seed: int,
+            runtime: RuntimeSettings = RuntimeSettings(), teacher: ModelRef | None = None) -> RecoveryResult:
     """Fine-tune on calibration texts (never the held-out ones): LoRA on the LM loss, or distil `teacher`.
 
     It draws up to `settings.max_texts` texts from the whole calibration source, not only the
@@ -56,7 +54,8 @@ def recover(model: ModelRef, calib: CalibrationRef, calibration: str, source_dig
     if settings.kind == "kd" and teacher is None:
         raise ValueError("recovery.kind 'kd' needs the dense model as teacher")
     held = set(read_heldout(calib))
-    data = load_calibration(CalibrationSource(calibration).path, n_samples=settings.max_texts + len(held), seed=seed)
+    max_length = calib.max_length
+    data = load_calibration(calib.source_path, n_samples=settings.max_texts + len(held), seed=seed)
     texts = [t for t in data["text"] if t not in held][:settings.max_texts]
     log.info("%s recovery on %d calibration texts (%d held out)", describe(settings), len(texts), len(held))
     net, tokenizer = load_model(model, runtime, for_update=True, seq_len=max_length)
@@ -69,7 +68,7 @@ def recover(model: ModelRef, calib: CalibrationRef, calibration: str, source_dig
     if num_params != model.num_params:
         raise RuntimeError(f"recovery changed the parameter count {model.num_params} -> {num_params}")
     # named by everything that decides the weights, so two recoveries never share a directory
-    name = content_key(model.fingerprint, calib.data_hash, source_digest, settings.model_dump(), seed, max_length,
+    name = content_key(model.fingerprint, calib.data_hash, calib.source_digest, settings.model_dump(), seed, max_length,
                        teacher.fingerprint if teacher and settings.kind == "kd" else None)
     recovered = save_model(out, tokenizer, f"{model.fingerprint[:16]}-{settings.kind}-{name[:16]}", num_params)
     log.info("%s recovery: %d steps, loss %.3f -> %.3f in %.0f s", describe(settings), report.steps,
@@ -90,10 +89,7 @@ def _train(net, tokenizer, texts: list[str], settings: RecoverySettings, seed: i
            runtime: RuntimeSettings, teacher: ModelRef | None) -> tuple[object, RecoveryReport]:
     """The configured kind of recovery on the model in hand."""
     if settings.kind != "kd":
-        return recover_lora(net, tokenizer, texts, steps=settings.steps, rank=settings.rank, lr=settings.lr,
-                            batch_size=settings.batch_size, max_length=max_length, seed=seed)
+        return recover_lora(net, tokenizer, texts, settings.options(max_length, seed))
     # read like any model but kept out of the hand-off, which must keep the model being trained
     dense = load_model(teacher, runtime, for_update=True, seq_len=max_length)[0]
-    return recover_kd(net, dense, tokenizer, texts, steps=settings.steps, params=settings.kd_params,
-                      rank=settings.rank, lr=settings.lr, batch_size=settings.batch_size,
-                      max_length=max_length, temperature=settings.temperature, seed=seed)
+    return recover_kd(net, dense, tokenizer, texts, settings.options(max_length, seed))

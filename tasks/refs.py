@@ -31,6 +31,13 @@ class SourceRef(_Ref):
 
 
 class CalibrationRef(_Ref):
+    """The prepared calibration: pairs and held-out texts on disk, and what every task needs of the source.
+
+    `source_path` is the resolved calibration file, `source_digest` the content of that file and its
+    word list (`infra.calibration.CalibrationSource.digest`), `max_length` the tokens per text every
+    task truncates to; so no task rebuilds the source from the raw config string.
+    """
+
     pairs_path: str
     heldout_path: str
     data_hash: str
@@ -38,6 +45,9 @@ class CalibrationRef(_Ref):
     n_pairs: int
     n_skipped: int
     n_heldout: int
+    source_path: str
+    source_digest: str
+    max_length: int
 
 
 class StatsRef(_Ref):
@@ -86,6 +96,6 @@ class SignatureRef(_Ref):
 
     def tags(self) -> dict[str, str]:
         """The registered version's tags that `lineage` and `promote` check the signature against."""
-        from infra.signing import TAG_KEY, TAG_SHA256, TAG_URI
+        from infra.tags import SIGNATURE_SHA256, SIGNATURE_URI, SIGNING_KEY_FINGERPRINT
 
-        return {TAG_URI: self.uri, TAG_SHA256: self.sha256, TAG_KEY: self.key_fingerprint}
+        return {SIGNATURE_URI: self.uri, SIGNATURE_SHA256: self.sha256, SIGNING_KEY_FINGERPRINT: self.key_fingerprint}

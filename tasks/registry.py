@@ -15,16 +15,25 @@ from prefect import task
 
 from infra.mlflow_utils import mlflow_client
 from infra.settings import Settings
+from infra.tags import (
+    DATASET_PREFIX,
+    GIT_SHA,
+    LOGGED_MODEL_ID,
+    METHOD,
+    MLFLOW_FILES_SHA256,
+    MODEL_FINGERPRINT,
+    RATIO,
+    RUN_KEY,
+    S3_URI,
+    SOURCE_MODEL,
+    UNIT,
+)
 from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
 from tasks.refs import ModelRef
 
 log = logging.getLogger(__name__)
 
-#: version tag: sha256 of the checkpoint's mlflow_files.json (lineage re-hashes the files it lists)
-MLFLOW_FILES_TAG = "pipprune.mlflow_files_sha256"
 LOGGED_MODEL_TYPE = "pipprune-compressed-lm"
-#: version tag naming the MLflow 3 logged model (the SQL registry keeps `model_id` only for models:/ sources)
-LOGGED_MODEL_TAG = "pipprune.logged_model_id"
 
 
 def checkpoint_root(model_uri: str) -> str:
@@ -50,26 +59,26 @@ def register_model(name: str, model: ModelRef, run_id: str, tags: dict[str, str]
         raise ValueError(f"model {model.fingerprint[:12]} has no S3 checkpoint; only checkpointed models register")
     client = mlflow_client()
     _ensure_registered_model(client, name)
-    wanted = (tags["pipprune.run_key"], tags["pipprune.model_fingerprint"])
+    wanted = (tags[RUN_KEY], tags[MODEL_FINGERPRINT])
     for version in client.search_model_versions(f"name = '{name}'"):
-        if (version.tags.get("pipprune.run_key"), version.tags.get("pipprune.model_fingerprint")) == wanted:
+        if (version.tags.get(RUN_KEY), version.tags.get(MODEL_FINGERPRINT)) == wanted:
             log.info("model %s version %s already registered for this run key", name, version.version)
             return str(version.version)
     run = client.get_run(run_id)
-    tags = {**tags, **{k: v for k, v in run.data.tags.items() if k.startswith("pipprune.dataset.")}}
+    tags = {**tags, **{k: v for k, v in run.data.tags.items() if k.startswith(DATASET_PREFIX)}}
     root = checkpoint_root(model.s3_uri)
     logged = client.create_logged_model(run.info.experiment_id, name=name, source_run_id=run_id,
                                         model_type=LOGGED_MODEL_TYPE,
-                                        tags={"pipprune.s3_uri": root, "pipprune.run_key": tags["pipprune.run_key"],
-                                              "pipprune.model_fingerprint": model.fingerprint})
+                                        tags={S3_URI: root, RUN_KEY: tags[RUN_KEY],
+                                              MODEL_FINGERPRINT: model.fingerprint})
     try:
-        tags[MLFLOW_FILES_TAG] = publish_mlflow_model(model, root, run_id, logged.model_id, tags)
+        tags[MLFLOW_FILES_SHA256] = publish_mlflow_model(model, root, run_id, logged.model_id, tags)
     except BaseException:
         client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
         raise
     client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
     client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])  # the run page lists it
-    tags[LOGGED_MODEL_TAG] = logged.model_id
+    tags[LOGGED_MODEL_ID] = logged.model_id
     version = client.create_model_version(name, source=root, run_id=run_id, model_id=logged.model_id, tags=tags,
                                           description=f"pipprune run {tags['pipprune.run_key']}; weights and MLmodel "
                                                       f"at {root}")
@@ -99,8 +108,8 @@ def publish_mlflow_model(model: ModelRef, root: str, run_id: str, model_id: str,
     settings = Settings()
     store = CheckpointStore.for_uri(settings, root)
     _, base = split_uri(root)
-    metadata = {k: v for k, v in tags.items() if k in ("pipprune.run_key", "pipprune.source_model", "pipprune.method",
-                                                         "pipprune.unit", "pipprune.ratio", "pipprune.git_sha")}
+    metadata = {k: v for k, v in tags.items() if k in (RUN_KEY, SOURCE_MODEL, METHOD,
+                                                         UNIT, RATIO, GIT_SHA)}
     settings.work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mlflow-model-", dir=settings.work_dir) as tmp:
         out = Path(tmp) / "files"

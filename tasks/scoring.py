@@ -23,6 +23,7 @@ from infra.config import RuntimeSettings, ScoringSettings
 from infra.settings import Settings
 from pip_core import schedule
 from pip_core import units as core_units
+from pip_core.importance import CalibrationData
 from pip_core.schedule import ScoringOptions, StepSpec
 from pip_core.vocabulary import UnitKind
 from tasks._common import key_from
@@ -62,22 +63,23 @@ def scoring_options(scoring: ScoringSettings, max_length: int, gradient_checkpoi
                           align=scoring.align)
 
 
-@task(name="score-units", cache_key_fn=key_from("model", "calib", "scoring", "spec", "max_length", "runtime"),
+@task(name="score-units", cache_key_fn=key_from("model", "calib", "scoring", "spec", "runtime"),
       persist_result=True, result_serializer="json")
 def score_units(model: ModelRef, calib: CalibrationRef, scoring: ScoringSettings, spec: StepSpec,
-                max_length: int, runtime: RuntimeSettings = RuntimeSettings()) -> StatsRef:
+                runtime: RuntimeSettings = RuntimeSettings()) -> StatsRef:
     """Score every unit of `model` with the configured method (PIP: dual-view gradient differences).
 
     Gradients are reduced to float32/float64 per unit whatever the weights' dtype; gradient
     checkpointing is switched on when the plan says the activations do not fit.
     """
+    max_length = calib.max_length
     net, tokenizer = load_model(model, runtime, seq_len=max_length)
     placement = placement_for(model, runtime, max_length, loaded=True)
     started = time.perf_counter()
     pairs = read_pairs(calib)
     options = scoring_options(scoring, max_length, placement.gradient_checkpointing)
-    found, scores = schedule.score_step(net, tokenizer, spec, options, pairs=pairs,
-                                        texts=[original for original, _ in pairs])
+    found, scores = schedule.score_step(net, CalibrationData(tokenizer, pairs, texts=[original for original, _ in pairs]),
+                                        spec, options)
     seconds = time.perf_counter() - started
     out = Settings().work_dir / "stats" / model.fingerprint[:16] / \
         f"{scoring.method}-{scoring.unit}-{calib.data_hash[:12]}-s{spec.seed}"

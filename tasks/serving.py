@@ -16,6 +16,7 @@ from prefect import task
 
 from infra.config import RuntimeSettings, ServingSettings
 from infra.mlflow_utils import mlflow_client
+from infra.tags import SERVING, SERVING_BACKEND
 from pip_core import serving as core_serving
 from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
 from tasks.calibration import read_heldout, read_pairs
@@ -102,9 +103,9 @@ def log_serving(run_id: str, measured: dict) -> dict[str, str]:
         fig = plots.serving_speed(measured["dense"], measured["pruned"], metrics["serving.ideal_speedup"])
         fig.savefig(Path(tmp) / "serving_speed.png", dpi=110)
         client.log_artifact(run_id, str(Path(tmp) / "serving_speed.png"), "serving")
-    tags = {"pipprune.serving.backend": measured["backend"]}
+    tags = {SERVING_BACKEND: measured["backend"]}
     for key in ("decode_speedup", "ideal_speedup", "fraction_of_ideal", "flop_cut"):
-        tags[f"pipprune.serving.{key}"] = f"{metrics['serving.' + key]:.4f}"
+        tags[SERVING.format(key=key)] = f"{metrics['serving.' + key]:.4f}"
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     return tags

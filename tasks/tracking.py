@@ -18,6 +18,7 @@ from prefect import task
 
 from infra import run_info
 from infra.mlflow_utils import flatten_params, mlflow_client
+from infra.tags import DATASET_DIGEST, DATASET_SOURCE, RUN_KEY
 from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
 from tasks.refs import CalibrationRef
 
@@ -31,7 +32,7 @@ def open_tracking_run(run_key: str, params: dict[str, Any], tags: dict[str, str]
     """Create the MLflow run of this flow run (with MLflow's standard source tags); returns its id."""
     client = mlflow_client()
     run = client.create_run(experiment_id(client), run_name=f"compress-{run_key[:8]}",
-                            tags={"pipprune.run_key": run_key, **tags, **run_info.source_tags(tags),
+                            tags={RUN_KEY: run_key, **tags, **run_info.source_tags(tags),
                                   run_info.DESCRIPTION_TAG: run_info.describe_running(params)})
     client.log_batch(run.info.run_id, params=_params(params))
     return run.info.run_id
@@ -190,17 +191,12 @@ def tracking_run(run_key: str, params: dict[str, Any], tags: dict[str, str]) -> 
     close_tracking_run(run_id)
 
 
-#: run tags holding each logged dataset's MLflow digest; the registered version copies them
-DATASET_DIGEST_TAG = "pipprune.dataset.{context}.digest"
-DATASET_SOURCE_TAG = "pipprune.dataset.{context}.source"
-
-
 @task(name="log-datasets", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_transient)
-def log_datasets(run_id: str, source: str, calib: CalibrationRef) -> dict[str, str]:
+def log_datasets(run_id: str, calib: CalibrationRef) -> dict[str, str]:
     """The calibration pairs and held-out texts as MLflow datasets, inputs of the run.
 
-    Contexts "calibration" and "evaluation"; the source is where the texts came from (path or
-    URI); the digest is the first 32 hex digits of the content hash pipprune keys everything on
+    Contexts "calibration" and "evaluation"; the source is the calibration file the texts came from
+    (`calib.source_path`); the digest is the first 32 hex digits of the content hash pipprune keys everything on
     (MLflow stores at most 36 characters): `pipprune.calibration_hash` for the calibration set,
     the same hash over the held-out texts for the evaluation set. The digests are also run tags,
     so the registered version and `pipprune lineage` can carry and check them.
@@ -209,13 +205,13 @@ def log_datasets(run_id: str, source: str, calib: CalibrationRef) -> dict[str, s
     import pandas as pd
     from mlflow.entities import DatasetInput, InputTag
 
-    from infra.calibration import CalibrationSource, calibration_hash
+    from infra.calibration import calibration_hash
     from tasks.calibration import read_heldout, read_pairs
 
     pairs = pd.DataFrame(read_pairs(calib), columns=["original", "perturbed"])
     held = read_heldout(calib)
     heldout = pd.DataFrame({"text": held})
-    uri = source if "://" in source else str(CalibrationSource(source).path)
+    uri = calib.source_path
     datasets = {
         "calibration": mlflow.data.from_pandas(pairs, source=uri, name=f"calibration-{calib.data_hash[:8]}",
                                                digest=calib.data_hash[:32]),
@@ -228,8 +224,8 @@ def log_datasets(run_id: str, source: str, calib: CalibrationRef) -> dict[str, s
         for context, ds in datasets.items()])
     tags = {}
     for context, ds in datasets.items():
-        tags[DATASET_DIGEST_TAG.format(context=context)] = ds.digest
-        tags[DATASET_SOURCE_TAG.format(context=context)] = uri
+        tags[DATASET_DIGEST.format(context=context)] = ds.digest
+        tags[DATASET_SOURCE.format(context=context)] = uri
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     return tags

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, free_port, seaweed_port_base
+from infra.stack import free_port
+from tests.helpers import ROOT, seaweed_port_base
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -42,7 +43,7 @@ def tiny_reference_dir() -> Path:
     return out
 
 
-def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001
+def pytest_collection_modifyitems(config, items) -> None:
     """Tests that use the stack are marked `stack`, and those that build or load models `slow`, whatever their
     module says, so `make test-fast` (-m "not stack and not slow") is only pure unit tests."""
     for item in items:
@@ -53,7 +54,7 @@ def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001
             item.add_marker(pytest.mark.slow)
 
 
-def stack_settings(home: Path):  # noqa: ANN201 - infra.settings.Settings, imported lazily
+def stack_settings(home: Path):  # infra.settings.Settings, imported lazily
     """Settings of an embedded stack in `home` on free loopback ports (S3 and the block SeaweedFS adds)."""
     from infra.settings import Settings
 

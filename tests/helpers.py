@@ -2,33 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import boto3
 
+from infra.stack import free_port_range
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (servers in tests bind loopback only)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_range(count: int, also: tuple[int, ...] = ()) -> int:
-    """The first of `count` consecutive free ports on 127.0.0.1 (the embedded S3 server pins a block of them);
-    base + each offset in `also` must be free too (SeaweedFS' admin gRPC port is its admin port + 10000)."""
-    import random
-
-    for _ in range(400):
-        base = random.randint(20000, 65535 - count - max(also, default=0))
-        if all(_free(base + i) for i in (*range(count), *also)):
-            return base
-    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 def seaweed_port_base() -> int:
@@ -38,16 +20,7 @@ def seaweed_port_base() -> int:
     return free_port_range(len(WEED_AUX_PORTS), also=(WEED_AUX_PORTS.index("admin.port") + ADMIN_GRPC_OFFSET,))
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def s3_of(env: dict[str, str]):  # noqa: ANN201 - boto3 clients are untyped
+def s3_of(env: dict[str, str]):  # boto3 clients are untyped
     """A boto3 S3 client with the credentials and endpoint of a client environment of the test stack."""
     return boto3.client("s3", endpoint_url=env["PIPPRUNE_S3_ENDPOINT_URL"], region_name="us-east-1",
                         aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
@@ -73,7 +46,7 @@ class FlakyS3Proxy:
         self.failures, self.failed, self.forwarded = failures, 0, 0
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # noqa: ANN002 - silence
+            def log_message(self, *args):  # silence
                 pass
 
             def _raw_body(self) -> bytes | None:
@@ -150,7 +123,7 @@ FAMILY_CONFIGS = {
 }
 
 
-def tiny_family_model(model_type: str, vocab_size: int, seed: int = 0, layers: int = 4, **overrides):  # noqa: ANN003, ANN201
+def tiny_family_model(model_type: str, vocab_size: int, seed: int = 0, layers: int = 4, **overrides):
     """A small random-init model of `model_type` built from its stock transformers config class."""
     import torch
     import transformers
@@ -164,7 +137,7 @@ def tiny_family_model(model_type: str, vocab_size: int, seed: int = 0, layers: i
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def bpe_tokenizer(texts: list[str]):  # noqa: ANN201
+def bpe_tokenizer(texts: list[str]):
     """A tiny byte-level BPE tokenizer trained on `texts` (pad 0, bos 1, eos 2)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -178,7 +151,7 @@ def bpe_tokenizer(texts: list[str]):  # noqa: ANN201
                                    pad_token="<pad>")
 
 
-def view_gradients(model, tokenizer, text: str) -> dict[str, torch.Tensor]:  # noqa: ANN001, F821
+def view_gradients(model, tokenizer, text: str) -> dict[str, torch.Tensor]:  # noqa: F821
     """Parameter name -> gradient of the causal-LM loss of `text` alone: the naive per-view reference for PIP."""
     model.zero_grad()
     ids = tokenizer(text, return_tensors="pt")["input_ids"]
@@ -186,12 +159,12 @@ def view_gradients(model, tokenizer, text: str) -> dict[str, torch.Tensor]:  # n
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def pair_gradients(model, tokenizer, pair: tuple[str, str]) -> list[dict]:  # noqa: ANN001
+def pair_gradients(model, tokenizer, pair: tuple[str, str]) -> list[dict]:
     """The naive per-view gradients of one (original, perturbed) pair."""
     return [view_gradients(model, tokenizer, text) for text in pair]
 
 
-def unit_view_differences(model, unit, grads: list[dict]):  # noqa: ANN001, ANN201
+def unit_view_differences(model, unit, grads: list[dict]):
     """(grad L(s) - grad L(s~), weight) restricted to each tensor slice `unit` owns: what PIP's forms reduce."""
     from pip_core import units
 

@@ -111,7 +111,7 @@ class _Denying(BaseHTTPRequestHandler):
 
     do_GET = do_PUT = do_HEAD = do_POST = _deny
 
-    def log_message(self, *args) -> None:  # noqa: ANN002
+    def log_message(self, *args) -> None:
         pass
 
 

@@ -13,6 +13,8 @@ from pip_core import io, schedule, units
 from pip_core.alignment import allowed_cuts, effective_align
 from pip_core.budget import BudgetError, Serving, Target, plan_budget
 from pip_core.errors import PipCoreError
+from pip_core.importance import CalibrationData
+from pip_core.rules import Selection
 from tests.helpers import bpe_tokenizer, tiny_family_model
 
 TEXTS = ["The host said he would come later to the party at the house.",
@@ -24,9 +26,9 @@ def tok():
     return bpe_tokenizer(TEXTS)
 
 
-def _prune(model, plan, kind, tokenizer):  # noqa: ANN001, ANN202
+def _prune(model, plan, kind, tokenizer):
     options = schedule.ScoringOptions("magnitude", kind, width_mode="uniform", align=plan.effective_align)
-    return schedule.prune_iteratively(model, tokenizer, options, plan.ratio, plan.iterations, progress=False)
+    return schedule.prune_iteratively(model, CalibrationData(tokenizer), options, plan.ratio, plan.iterations, progress=False)
 
 
 @pytest.mark.parametrize("text, kind, value", [("params=3e9", "params", 3e9), ("params=350M", "params", 350e6),
@@ -55,7 +57,7 @@ def test_alignment_grid_and_clamp():
 def test_params_target_lands_within_one_unit_on_the_tiny_reference(tiny_reference_dir, unit, align):
     config = json.loads((tiny_reference_dir / "config.json").read_text())
     n = 600_000
-    plan = plan_budget(config, f"params={n}", unit=unit, iterations=2, align=align)
+    plan = plan_budget(config, f"params={n}", Selection(unit=unit, align=align), iterations=2)
     assert abs(plan.params_after - n) <= plan.granularity, plan
     model, tokenizer = io.load(tiny_reference_dir)
     assert units.param_count(model) == plan.params_before
@@ -70,7 +72,7 @@ def test_params_target_through_the_planner_on_other_families(tok, model_type):
     config = model.config.to_dict()
     total = units.param_count(model)
     n = int(total * 0.75)
-    plan = plan_budget(config, f"params={n}", unit="width", iterations=2, align=64)
+    plan = plan_budget(config, f"params={n}", Selection(unit="width", align=64), iterations=2)
     assert plan.params_before == total and plan.effective_align == 64
     assert abs(plan.params_after - n) <= plan.granularity
     result = _prune(model, plan, "width", tok)
@@ -80,8 +82,9 @@ def test_params_target_through_the_planner_on_other_families(tok, model_type):
 
 def test_memory_target_fits_and_counts_the_kv_cache(tiny_reference_dir):
     config = json.loads((tiny_reference_dir / "config.json").read_text())
-    weights_only = plan_budget(config, "memory=2.9MiB", unit="width", align=1)
-    with_cache = plan_budget(config, "memory=2.9MiB", unit="width", align=1, serving=Serving(context=64, batch=2))
+    weights_only = plan_budget(config, "memory=2.9MiB", Selection(unit="width", align=1))
+    with_cache = plan_budget(config, "memory=2.9MiB", Selection(unit="width", align=1),
+                             serving=Serving(context=64, batch=2))
     assert weights_only.memory_after <= 2.9 * 2**20 and with_cache.memory_after <= 2.9 * 2**20
     assert with_cache.kv_cache_after > 0 and with_cache.params_after < weights_only.params_after
     last = with_cache.steps[-1]
@@ -94,15 +97,15 @@ def test_memory_target_fits_and_counts_the_kv_cache(tiny_reference_dir):
 def test_infeasible_targets_name_the_nearest_feasible_one(tiny_reference_dir, target, nearest):
     config = json.loads((tiny_reference_dir / "config.json").read_text())
     with pytest.raises(BudgetError) as err:
-        plan_budget(config, target, unit="width")
+        plan_budget(config, target, Selection(unit="width"))
     assert err.value.nearest.startswith(nearest)
     if target != "params=5e9":  # the nearest feasible target is itself accepted
-        plan_budget(config, err.value.nearest, unit="width")
+        plan_budget(config, err.value.nearest, Selection(unit="width"))
 
 
 def test_aligned_model_saves_multiples_of_n_and_reloads_with_the_stock_class(tiny_reference_dir, tmp_path):
     config = json.loads((tiny_reference_dir / "config.json").read_text())
-    plan = plan_budget(config, "ratio=0.3", unit="width", iterations=2, align=64)
+    plan = plan_budget(config, "ratio=0.3", Selection(unit="width", align=64), iterations=2)
     model, tokenizer = io.load(tiny_reference_dir)
     _prune(model, plan, "width", tokenizer)
     out = io.save_pruned(model, tokenizer, tmp_path / "aligned")
@@ -174,6 +177,34 @@ def test_a_model_with_nothing_prunable_is_refused_without_a_nonsense_suggestion(
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 32,
               "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     with pytest.raises(BudgetError, match="nothing can be removed.*2 layers with protect_first=1") as err:
-        plan_budget(config, Target.parse("ratio=0.2"), unit="block", width_mode="uniform", iterations=2, align=1,
-                    protect_first=1, protect_last=1)
+        plan_budget(config, Target.parse("ratio=0.2"), Selection(unit="block", width_mode="uniform", align=1,
+                                                                 protect_first=1, protect_last=1), iterations=2)
     assert err.value.nearest is None
+
+
+@pytest.mark.parametrize("unit, ratio", [("block", "0.15"), ("attn", "0.08"), ("mlp", "0.25"), ("width", "0.25")])
+def test_pipprune_plan_and_a_run_remove_the_same_amount_for_every_unit_kind(tiny_reference_dir, unit, ratio):
+    """`pipprune plan` (its defaults: the config's) and a run of the same job (the flow's own mapping from config to
+    scoring options, the planned ratio and alignment) end at the same parameter count, step by step."""
+    import subprocess
+    import sys
+
+    from infra.budgeting import plan_for
+    from infra.config import CompressConfig
+    from tasks.scoring import scoring_options
+
+    result = subprocess.run([sys.executable, "-m", "pipprune.cli", "plan", "--model", str(tiny_reference_dir), "--unit",
+                             unit, "--ratio", ratio, "--iterations", "2", "--json"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    planned = json.loads(result.stdout)["budget"]
+    config = CompressConfig(model=str(tiny_reference_dir), calibration=str(tiny_reference_dir), ratio=float(ratio),
+                            scoring={"unit": unit, "iterations": 2, "method": "magnitude"})
+    budget = plan_for(config, io.read_config(tiny_reference_dir))
+    assert budget.as_dict() == planned  # the CLI plans the job the flow plans
+    options = scoring_options(config.scoring.model_copy(update={"align": budget.effective_align}), 64)
+    model, tokenizer = io.load(tiny_reference_dir)
+    run = schedule.prune_iteratively(model, CalibrationData(tokenizer), options, budget.ratio, budget.iterations,
+                                     seed=config.seed, progress=False)
+    assert [s.num_params for s in run.steps] == [s["num_params"] for s in planned["steps"]]
+    assert run.params_after == planned["params_after"]

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, cli, free_port, seaweed_port_base
+from infra.stack import free_port
+from tests.helpers import ROOT, cli, seaweed_port_base
 
 PRECIOUS = b"\x00user data \xff\xfe that pipprune must never touch\n"
 

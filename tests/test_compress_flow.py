@@ -138,6 +138,7 @@ def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, 
     """The benchmarks' loop (pip_core.schedule.prune_iteratively) is the product's loop: same units, step by step."""
     from pip_core import io as core_io
     from pip_core import schedule
+    from pip_core.importance import CalibrationData
     from tasks.scoring import scoring_options
 
     summary, *_ = first_run
@@ -151,8 +152,8 @@ def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, 
     pairs = [(row["original"], row["perturbed"]) for row in map(json.loads, pairs_file.read_text().splitlines())]
     model, tokenizer = core_io.load(tiny_reference_dir)
     options = scoring_options(config.scoring, config.calibration.max_length)  # the flow's own mapping (align too)
-    result = schedule.prune_iteratively(model, tokenizer, options, config.ratio, config.scoring.iterations,
-                                        pairs=pairs, seed=config.seed, progress=False)
+    result = schedule.prune_iteratively(model, CalibrationData(tokenizer, pairs), options, config.ratio,
+                                        config.scoring.iterations, seed=config.seed, progress=False)
     loop_units = [[(u.kind, u.layer, u.index) for u in step.removed] for step in result.steps]
     assert loop_units == flow_units
     assert result.params_after == summary.params_after

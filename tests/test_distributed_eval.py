@@ -15,12 +15,13 @@ def test_dask_fan_out_matches_sequential(local_stack, tiny_reference_dir, tmp_pa
 
     from flows.evaluate import dask_runner, evaluate_models_flow
     from pip_core import io, schedule
+    from pip_core.importance import CalibrationData
 
     stack, _ = local_stack
     for key, value in stack.client_env().items():
         monkeypatch.setenv(key, value)
     model, tok = io.load(tiny_reference_dir)
-    schedule.prune_iteratively(model, tok, schedule.ScoringOptions("magnitude", "block"), 0.2, 1, progress=False)
+    schedule.prune_iteratively(model, CalibrationData(tok), schedule.ScoringOptions("magnitude", "block"), 0.2, 1, progress=False)
     pruned = tmp_path / "pruned"
     io.save_pruned(model, tok, pruned)
     dense = tmp_path / "dense"

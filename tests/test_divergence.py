@@ -12,6 +12,7 @@ import torch
 from pip_core import bootstrap, io, prune, units
 from pip_core.divergence import DocStats, divergence, doc_stats, read_texts
 from pip_core.errors import PipCoreError
+from pip_core.importance import CalibrationData
 from tests.helpers import pair_gradients, unit_view_differences
 
 
@@ -160,18 +161,19 @@ def test_pip_first_order_form_equals_naive_reference(dense):
     pairs = [("She was not in the room when he came in.", "She was not in the rome when he come in."),
              ("They walked to the village after dinner.", "They walked to the pillage after dinner.")]
     found = units.discover(model, "width")
-    fast = importance.score(model, "pip_first_order", found, tokenizer=tokenizer, pairs=pairs, progress=False)
-    literal = importance.score(model, "pip_l2", found, tokenizer=tokenizer, pairs=pairs, progress=False)
+    fast = importance.score(model, "pip_first_order", found, CalibrationData(tokenizer, pairs), progress=False)
+    literal = importance.score(model, "pip_l2", found, CalibrationData(tokenizer, pairs), progress=False)
     per_pair = [pair_gradients(model, tokenizer, pair) for pair in pairs]
     naive = torch.tensor([[sum(float((d * w).double().abs().sum()) for d, w in unit_view_differences(model, unit, grads))
                            for unit in found] for grads in per_pair], dtype=torch.float64).sum(0)
     naive /= len(pairs)
     torch.testing.assert_close(fast, naive, rtol=1e-4, atol=1e-9)
     assert not torch.allclose(fast / fast.sum(), literal / literal.sum())
-    single = importance.score(model, "pip_single_view", found, tokenizer=tokenizer, pairs=pairs, progress=False)
+    single = importance.score(model, "pip_single_view", found, CalibrationData(tokenizer, pairs), progress=False)
     other_view = [(o, "Completely different words here.") for o, _ in pairs]
-    torch.testing.assert_close(single, importance.score(model, "pip_single_view", found, tokenizer=tokenizer,
-                                                        pairs=other_view, progress=False), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(single, importance.score(model, "pip_single_view", found,
+                                                        CalibrationData(tokenizer, other_view), progress=False),
+                               rtol=1e-5, atol=1e-9)
     assert not torch.allclose(single, literal)
     with pytest.raises(PipCoreError, match="unknown PIP form"):
         importance.pert_import(model, tokenizer, pairs, found, form="l1")

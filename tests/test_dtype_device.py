@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pip_core.importance import CalibrationData
 from tests.helpers import cli
 
 CUDA = torch.cuda.is_available()
@@ -51,9 +52,9 @@ def test_chunked_pip_scores_equal_full_logits_scores(tiny, tiny_reference_dir, m
     found = units.discover(model, "width")
     pairs = _pairs(tiny_reference_dir, 4)
     monkeypatch.setattr(chunked_loss, "DEFAULT_CHUNK_TOKENS", 7)  # many slices per 64-token window
-    chunked = importance.score(model, "pip", found, tokenizer=tok, pairs=pairs, max_length=64, progress=False)
+    chunked = importance.score(model, "pip", found, CalibrationData(tok, pairs), max_length=64, progress=False)
     monkeypatch.setattr(importance, "per_sequence_loss", chunked_loss.full_logits_per_sequence_loss)
-    full = importance.score(model, "pip", found, tokenizer=tok, pairs=pairs, max_length=64, progress=False)
+    full = importance.score(model, "pip", found, CalibrationData(tok, pairs), max_length=64, progress=False)
     assert torch.all(full > 0)
     torch.testing.assert_close(chunked, full, rtol=1e-4, atol=0)
 
@@ -113,8 +114,8 @@ def test_bf16_and_float32_scoring_pick_the_same_units(tiny, tiny_reference_dir):
     figures = {}
     for kind in ("block", "width"):
         found = units.discover(model, kind)
-        s32 = importance.score(model, "pip", found, tokenizer=tok, pairs=pairs, max_length=64, progress=False)
-        s16 = importance.score(bf16, "pip", found, tokenizer=tok, pairs=pairs, max_length=64, progress=False)
+        s32 = importance.score(model, "pip", found, CalibrationData(tok, pairs), max_length=64, progress=False)
+        s16 = importance.score(bf16, "pip", found, CalibrationData(tok, pairs), max_length=64, progress=False)
         assert s16.dtype == torch.float64  # accumulated in float64 whatever the weights' dtype
         picked32 = {(u.kind, u.layer, u.index) for u in prune.select(found, s32.tolist(), budget)}
         picked16 = {(u.kind, u.layer, u.index) for u in prune.select(found, s16.tolist(), budget)}

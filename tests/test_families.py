@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig
 
 from pip_core import families, importance, io, prune, schedule, units
 from pip_core.errors import PruneError, UnsupportedArchitectureError
+from pip_core.importance import CalibrationData
 from pip_core.memory_plan import param_count_from_config, plan_memory
 from tests.helpers import FAMILY_CONFIGS, bpe_tokenizer, tiny_family_model, view_gradients
 
@@ -46,8 +47,8 @@ def test_uniform_compress_saves_the_stock_class(tok, tmp_path, model_type, kind)
     original_types = getattr(model.config, "layer_types", None)
     total = units.param_count(model)
     found = units.discover(model, kind)
-    result = schedule.prune_iteratively(model, tok, schedule.ScoringOptions("pip", kind, width_mode="uniform"), 0.2, 1,
-                                        pairs=PAIRS, progress=False)
+    result = schedule.prune_iteratively(model, CalibrationData(tok, PAIRS),
+                                        schedule.ScoringOptions("pip", kind, width_mode="uniform"), 0.2, 1, progress=False)
     if kind == "block":
         share = max(u.num_params for u in found)
     else:  # uniform: one unit in every layer is the finest step
@@ -80,7 +81,7 @@ def test_uniform_compress_saves_the_stock_class(tok, tmp_path, model_type, kind)
 def test_per_layer_widths_round_trip(tok, tmp_path, model_type):
     model = tiny_family_model(model_type, len(tok), seed=1)
     options = schedule.ScoringOptions("magnitude", "width", protect_first=1, protect_last=1, width_mode="per_layer")
-    schedule.prune_iteratively(model, tok, options, 0.2, 1, progress=False)
+    schedule.prune_iteratively(model, CalibrationData(tok), options, 0.2, 1, progress=False)
     out = io.save_pruned(model, tok, tmp_path / model_type)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == families.PRUNED_PREFIX + model_type
@@ -132,7 +133,7 @@ def _hand_owned(model, unit) -> dict[str, tuple[int, list[int]]]:
 def test_pip_equals_naive_two_backward_reference(tok, model_type):
     model = tiny_family_model(model_type, len(tok), seed=2)
     found = units.discover(model, "width")
-    fast = importance.score(model, "pip", found, tokenizer=tok, pairs=PAIRS, progress=False)
+    fast = importance.score(model, "pip", found, CalibrationData(tok, PAIRS), progress=False)
     naive = torch.zeros(len(found), dtype=torch.float64)
     for original, perturbed in PAIRS:
         grads = [view_gradients(model, tok, text) for text in (original, perturbed)]
@@ -267,7 +268,7 @@ def test_weights_that_do_not_fit_the_layout_are_refused_from_headers(tmp_path):
 
 # ---------------------------------------------------------------- the CLI, end to end on the local stack
 
-def _family_dir(model_type: str, reference, out):  # noqa: ANN001, ANN202
+def _family_dir(model_type: str, reference, out):
     """A random-init `model_type` directory with the reference tokenizer copied in."""
     import shutil
 

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infra.gguf_write import GgufExportError, check_exportable, producible_quants, write_gguf
 from pip_core import io, prune, schedule, units
+from pip_core.importance import CalibrationData
 from tests.helpers import bpe_tokenizer, tiny_family_model
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
@@ -24,12 +25,12 @@ TEXT = ("It is a truth universally acknowledged, that a single man in possession
 TOLERANCE = {"f32": 1e-5, "f16": 0.02, "q8_0": 0.3}
 
 
-def _read_back(model_dir, name):  # noqa: ANN202
+def _read_back(model_dir, name):
     model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=name, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(model_dir, gguf_file=name)
 
 
-def _compare(model_dir, gguf_name, quant, text=TEXT) -> tuple[float, float]:  # noqa: ANN001
+def _compare(model_dir, gguf_name, quant, text=TEXT) -> tuple[float, float]:
     """(max |logit diff|, top-1 agreement) of the file read back by transformers against the directory."""
     model, tok = io.load(model_dir, dtype=torch.float32)
     back, back_tok = _read_back(model_dir, gguf_name)
@@ -133,14 +134,14 @@ def test_block_pruned_families_read_back(tok, tmp_path, model_type):
 
 
 # ------------------------------------------------------------------------------------ refusals
-def _no_gguf_written(path) -> bool:  # noqa: ANN001
+def _no_gguf_written(path) -> bool:
     return not any(path.glob("*.gguf*"))
 
 
 def test_per_layer_widths_are_refused_before_any_work(tok, tmp_path):
     model = tiny_family_model("llama", len(tok), seed=1)
     options = schedule.ScoringOptions("magnitude", "width", protect_first=1, protect_last=1, width_mode="per_layer")
-    schedule.prune_iteratively(model, tok, options, 0.2, 1, progress=False)
+    schedule.prune_iteratively(model, CalibrationData(tok), options, 0.2, 1, progress=False)
     out = io.save_pruned(model, tok, tmp_path / "per-layer")
     with pytest.raises(GgufExportError, match="per-layer widths"):
         write_gguf(out, out / "m.gguf", "f16")

@@ -18,7 +18,7 @@ CHILD = f"{NAME}-gguf"
 BUCKET = "gguf-tests"
 
 
-def _doc(done) -> dict:  # noqa: ANN001
+def _doc(done) -> dict:
     return json.loads(done.stdout[done.stdout.index("{"):])
 
 

@@ -145,7 +145,7 @@ def test_schedule_deployment_runs_on_a_process_worker(env, tiny_reference_dir, t
     assert final.is_completed(), out[-3000:]
 
 
-def run_on_worker_once(env: dict[str, str], pool: str, flow_run_id) -> tuple:  # noqa: ANN001 - a UUID
+def run_on_worker_once(env: dict[str, str], pool: str, flow_run_id) -> tuple:  # a UUID
     """Start a `process` worker for one flow run of `pool`; returns the run's final state and the worker's output."""
     import asyncio
 

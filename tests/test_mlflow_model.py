@@ -18,6 +18,7 @@ import torch
 from infra import mlflow_model
 from pip_core import io as core_io
 from pip_core import schedule
+from pip_core.importance import CalibrationData
 
 PROMPT = "It is a truth universally acknowledged"
 
@@ -26,7 +27,7 @@ PROMPT = "It is a truth universally acknowledged"
 def test_per_layer_width_model_loads_through_mlflow(tiny_reference_dir, tmp_path):
     net, tok = core_io.load(tiny_reference_dir)
     options = schedule.ScoringOptions("magnitude", "width", protect_first=1, protect_last=1, width_mode="per_layer")
-    schedule.prune_iteratively(net, tok, options, 0.2, 1, progress=False)
+    schedule.prune_iteratively(net, CalibrationData(tok), options, 0.2, 1, progress=False)
     pruned = core_io.save_pruned(net, tok, tmp_path / "pruned")
     assert (pruned / "modeling_pipprune.py").is_file() and mlflow_model.needs_remote_code(pruned)
 

@@ -113,3 +113,31 @@ def test_windows_cut_whole_words():
     assert len(out) == 10 and all(len(w.split()) == 10 for w in out)
     assert windows([" ".join(f"w{i}" for i in range(100))], 10, n=3, seed=0) == \
         windows([" ".join(f"w{i}" for i in range(100))], 10, n=3, seed=0)
+
+
+def test_prepare_calibration_cache_key_follows_the_file_content_not_its_path(tmp_path, monkeypatch):
+    """The flow hands prepare_calibration only the settings; its cache key hashes the source itself, so an
+    edited calibration file (same path) or word list gets new pairs, and an unchanged one is served from cache."""
+    from types import SimpleNamespace
+
+    from infra.config import CalibrationSettings
+    from tasks.calibration import _content_key
+
+    monkeypatch.setenv("PIPPRUNE_HOME", str(tmp_path / "home"))
+    source = tmp_path / "calib.jsonl"
+    source.write_text(json.dumps({"text": "The host said he would come later to the party."}) + "\n")
+    settings = CalibrationSettings(source=str(source))
+    context = SimpleNamespace(task=SimpleNamespace(name="prepare-calibration"))
+
+    def key() -> str:
+        return _content_key(context, {"settings": settings, "seed": 0})
+
+    first = key()
+    assert key() == first
+    source.write_text(json.dumps({"text": "A cat sat on the mat near the door and watched."}) + "\n")
+    assert key() != first
+    (tmp_path / "wordlist.txt").write_text("cat\nmat\n")  # a word list beside the file is part of the source
+    edited = key()
+    (tmp_path / "wordlist.txt").write_text("cat\nhat\n")
+    assert key() != edited
+    assert _content_key(context, {"settings": settings, "seed": 1}) != key()

@@ -13,6 +13,7 @@ import torch
 
 from pip_core import importance, units
 from pip_core.errors import PipCoreError
+from pip_core.importance import CalibrationData
 from tests.helpers import pair_gradients, unit_view_differences
 from tests.test_pip_core import PAIRS, _train, llama, tok  # noqa: F401 - tok is a fixture
 
@@ -37,8 +38,8 @@ def test_pip_relative_equals_naive_ratio_per_pair(tok, model):  # noqa: F811
     """pip_relative = mean over pairs of ||grad L(s) - grad L(s~)||_u / ||grad L(s)||_u."""
     m = copy.deepcopy(model)
     found = units.discover(m, "width") + units.discover(m, "block")
-    fast = torch.cat([importance.score(m, "pip_relative", found[:-4], tokenizer=tok, pairs=PAIRS, progress=False),
-                      importance.score(m, "pip_relative", found[-4:], tokenizer=tok, pairs=PAIRS, progress=False)])
+    fast = torch.cat([importance.score(m, "pip_relative", found[:-4], CalibrationData(tok, PAIRS), progress=False),
+                      importance.score(m, "pip_relative", found[-4:], CalibrationData(tok, PAIRS), progress=False)])
     naive = torch.zeros(len(found), dtype=torch.float64)
     for pair in PAIRS:
         grads = pair_gradients(m, tok, pair)
@@ -49,7 +50,7 @@ def test_pip_relative_equals_naive_ratio_per_pair(tok, model):  # noqa: F811
             naive[k] += math.sqrt(diff) / math.sqrt(clean)
     naive /= len(PAIRS)
     torch.testing.assert_close(fast, naive, rtol=1e-4, atol=1e-7)
-    literal = importance.score(m, "pip_l2", found[-4:], tokenizer=tok, pairs=PAIRS, progress=False)
+    literal = importance.score(m, "pip_l2", found[-4:], CalibrationData(tok, PAIRS), progress=False)
     assert not torch.allclose(fast[-4:] / fast[-4:].sum(), literal / literal.sum())
 
 
@@ -65,7 +66,7 @@ def _view_states(m, tok, text: str) -> list[tuple[torch.Tensor, torch.Tensor]]: 
 def test_pip_repr_forms_equal_naive_hidden_state_reference(tok, model):  # noqa: F811
     m = copy.deepcopy(model)
     found = units.discover(m, "block")
-    fast = {f: importance.score(m, f"pip_{f}", found, tokenizer=tok, pairs=REPR_PAIRS, progress=False)
+    fast = {f: importance.score(m, f"pip_{f}", found, CalibrationData(tok, REPR_PAIRS), progress=False)
             for f in ("repr", "repr_cos")}
     naive = {f: torch.zeros(len(found) - 1, dtype=torch.float64) for f in fast}
     for a, b in REPR_PAIRS:
@@ -91,7 +92,7 @@ def test_pip_repr_of_an_identity_block_is_zero(tok, model):  # noqa: F811
         layer.mlp.down_proj.weight.zero_()
     found = units.discover(m, "block")
     for form in ("pip_repr", "pip_repr_cos"):
-        s = importance.score(m, form, found, tokenizer=tok, pairs=REPR_PAIRS, progress=False)
+        s = importance.score(m, form, found, CalibrationData(tok, REPR_PAIRS), progress=False)
         assert float(s[2]) == pytest.approx(0.0, abs=1e-7) and bool((s[[0, 1, 3]] > 1e-4).all())
 
 
@@ -99,7 +100,7 @@ def test_pip_repr_is_block_only(tok, model):  # noqa: F811
     from infra.config import ScoringSettings
 
     with pytest.raises(PipCoreError, match="whole blocks"):
-        importance.score(model, "pip_repr", units.discover(model, "mlp"), tokenizer=tok, pairs=PAIRS, progress=False)
+        importance.score(model, "pip_repr", units.discover(model, "mlp"), CalibrationData(tok, PAIRS), progress=False)
     with pytest.raises(ValueError, match="scores whole blocks"):
         ScoringSettings(method="pip_repr", unit="width")
     with pytest.raises(PipCoreError, match="unknown representation form"):
@@ -141,8 +142,8 @@ def test_pip_removal_equals_naive_first_order_gap(tok, model):  # noqa: F811
     ablation the mean of the clean view's term's absolute value."""
     m = copy.deepcopy(model)
     found = units.discover(m, "block")
-    fast = importance.score(m, "pip_removal", found, tokenizer=tok, pairs=REPR_PAIRS, progress=False)
-    single = importance.score(m, "pip_removal_single_view", found, tokenizer=tok, pairs=REPR_PAIRS, progress=False)
+    fast = importance.score(m, "pip_removal", found, CalibrationData(tok, REPR_PAIRS), progress=False)
+    single = importance.score(m, "pip_removal_single_view", found, CalibrationData(tok, REPR_PAIRS), progress=False)
     naive = torch.zeros(len(found) - 1, dtype=torch.float64)
     naive_single = torch.zeros(len(found) - 1, dtype=torch.float64)
     for pair in REPR_PAIRS:
@@ -163,4 +164,4 @@ def test_pip_removal_equals_naive_first_order_gap(tok, model):  # noqa: F811
     torch.testing.assert_close(single[:-1], naive_single / len(REPR_PAIRS), rtol=1e-4, atol=1e-8)
     assert all(p.grad is None for p in m.parameters())
     with pytest.raises(PipCoreError, match="whole blocks"):
-        importance.score(m, "pip_removal", units.discover(m, "mlp"), tokenizer=tok, pairs=PAIRS, progress=False)
+        importance.score(m, "pip_removal", units.discover(m, "mlp"), CalibrationData(tok, PAIRS), progress=False)

@@ -21,6 +21,7 @@ from transformers import (
 
 from pip_core import importance, io, prune, schedule, units
 from pip_core.errors import CalibrationError, PipCoreError, UnsupportedArchitectureError
+from pip_core.importance import CalibrationData
 from tests.helpers import pair_gradients, unit_view_differences
 
 SENTENCES = [
@@ -160,7 +161,7 @@ def test_ratio_02_hits_target_and_round_trips(tok, trained, trained_fine_attn, t
     biggest = max(u.num_params for u in units.discover(model, kind))
     total = units.param_count(model)
     options = schedule.ScoringOptions(method, kind, protect_first=0, protect_last=0, width_mode="per_layer")
-    result = schedule.prune_iteratively(model, tok, options, 0.2, 2, pairs=PAIRS, seed=0, progress=False)
+    result = schedule.prune_iteratively(model, CalibrationData(tok, PAIRS), options, 0.2, 2, seed=0, progress=False)
     assert abs(result.achieved_ratio - 0.2) <= biggest / total
     assert result.params_after == units.param_count(model)
     io.save_pruned(model, tok, tmp_path / "m")
@@ -193,8 +194,8 @@ def test_qwen2_width_pruning_saves_and_reloads(tok, tmp_path):
 
 def test_pip_is_deterministic_and_not_random(tok, trained):
     found = units.discover(trained, "mlp")
-    a = importance.score(trained, "pip", found, tokenizer=tok, pairs=PAIRS, seed=0, progress=False)
-    b = importance.score(trained, "pip", found, tokenizer=tok, pairs=PAIRS, seed=0, progress=False)
+    a = importance.score(trained, "pip", found, CalibrationData(tok, PAIRS), seed=0, progress=False)
+    b = importance.score(trained, "pip", found, CalibrationData(tok, PAIRS), seed=0, progress=False)
     assert torch.equal(a, b)
     rand = importance.score(trained, "random", found, seed=0)
     rank_a, rank_r = a.argsort().argsort().double(), rand.argsort().argsort().double()
@@ -205,7 +206,7 @@ def test_pip_is_deterministic_and_not_random(tok, trained):
 def test_lean_pip_equals_naive_two_backward_reference(tok, trained):
     model = copy.deepcopy(trained)
     found = units.discover(model, "width")
-    fast = importance.score(model, "pip", found, tokenizer=tok, pairs=PAIRS, progress=False)
+    fast = importance.score(model, "pip", found, CalibrationData(tok, PAIRS), progress=False)
     per_pair = [pair_gradients(model, tok, pair) for pair in PAIRS]
     naive = torch.tensor([[math.sqrt(sum(float(d.double().pow(2).sum()) for d, _ in unit_view_differences(model, unit, grads)))
                            for unit in found] for grads in per_pair], dtype=torch.float64).sum(0)
@@ -228,12 +229,12 @@ def test_unsupported_architecture_is_named():
 def test_calibration_errors(tok, trained):
     found = units.discover(trained, "block")
     with pytest.raises(CalibrationError, match="empty"):
-        importance.score(trained, "pip", found, tokenizer=tok, pairs=[], progress=False)
+        importance.score(trained, "pip", found, CalibrationData(tok, []), progress=False)
     with pytest.raises(CalibrationError, match="text 1 is shorter than 2 tokens"):
-        importance.score(trained, "pip", found, tokenizer=tok, pairs=[PAIRS[0], ("", "x")], progress=False)
+        importance.score(trained, "pip", found, CalibrationData(tok, [PAIRS[0], ("", "x")]), progress=False)
     with pytest.raises(PipCoreError, match="block"):
-        importance.score(trained, "block_influence", units.discover(trained, "mlp"), tokenizer=tok,
-                         texts=SENTENCES, progress=False)
+        importance.score(trained, "block_influence", units.discover(trained, "mlp"),
+                         CalibrationData(tok, (), texts=SENTENCES), progress=False)
 
 
 def test_meta_device_model_is_refused(tok):
@@ -246,18 +247,20 @@ def test_meta_device_model_is_refused(tok):
 def test_unreachable_target_is_refused(tok):
     model = llama(tok, layers=3)
     with pytest.raises(PipCoreError, match="cannot remove"):
-        schedule.prune_iteratively(model, tok, schedule.ScoringOptions("magnitude", "block"), 0.9, 1, progress=False)
+        schedule.prune_iteratively(model, CalibrationData(tok), schedule.ScoringOptions("magnitude", "block"), 0.9, 1,
+                                   progress=False)
 
 
 def test_lora_recovery_lowers_loss_and_merges_into_a_plain_directory(tok, trained, tmp_path):
     from pip_core.perplexity import perplexity
-    from pip_core.recovery import recover_lora
+    from pip_core.recovery import RecoveryOptions, recover_lora
 
     model = copy.deepcopy(trained)
-    schedule.prune_iteratively(model, tok, schedule.ScoringOptions("magnitude", "width", protect_first=0, protect_last=0),
-                               0.3, 1, progress=False)
+    schedule.prune_iteratively(model, CalibrationData(tok),
+                               schedule.ScoringOptions("magnitude", "width", protect_first=0, protect_last=0), 0.3, 1,
+                               progress=False)
     before = perplexity(model, tok, SENTENCES)["perplexity"]
-    model, report = recover_lora(model, tok, SENTENCES, steps=30, batch_size=4, progress=False)
+    model, report = recover_lora(model, tok, SENTENCES, RecoveryOptions(steps=30, batch_size=4, progress=False))
     assert perplexity(model, tok, SENTENCES)["perplexity"] < before
     assert report.last_loss < report.first_loss
     io.save_pruned(model, tok, tmp_path / "r")
@@ -269,8 +272,7 @@ def test_lora_recovery_lowers_loss_and_merges_into_a_plain_directory(tok, traine
 def test_gradient_checkpointing_gives_the_same_pip_scores(tok, trained):
     model = copy.deepcopy(trained)
     found = units.discover(model, "width")
-    plain = importance.score(model, "pip", found, tokenizer=tok, pairs=PAIRS, progress=False)
-    ckpt = importance.score(model, "pip", found, tokenizer=tok, pairs=PAIRS, progress=False,
-                            gradient_checkpointing=True)
+    plain = importance.score(model, "pip", found, CalibrationData(tok, PAIRS), progress=False)
+    ckpt = importance.score(model, "pip", found, CalibrationData(tok, PAIRS), progress=False, gradient_checkpointing=True)
     torch.testing.assert_close(plain, ckpt, rtol=1e-5, atol=1e-8)
     assert not model.training and not model.is_gradient_checkpointing

@@ -73,7 +73,7 @@ def test_kd_loss_of_the_teacher_against_itself_is_zero(dense, tiny_reference_dir
 @pytest.mark.parametrize("params,lr", [("lora", 2e-3), ("full", 2e-4)])
 def test_a_few_kd_steps_reduce_kl_to_the_dense_model(dense, tiny_reference_dir, params, lr):
     from pip_core.divergence import divergence
-    from pip_core.recovery import recover_kd
+    from pip_core.recovery import RecoveryOptions, recover_kd
 
     teacher, tokenizer = dense
     before_teacher = {n: p.detach().clone() for n, p in teacher.named_parameters()}
@@ -81,8 +81,9 @@ def test_a_few_kd_steps_reduce_kl_to_the_dense_model(dense, tiny_reference_dir, 
     held = _texts(tiny_reference_dir, 12, "heldout")
     kl_before = divergence(teacher, student, tokenizer, held, max_length=64)["kl"]
     n_params = core_io.param_count(student)
-    out, report = recover_kd(student, teacher, tokenizer, _texts(tiny_reference_dir, 200), steps=12, params=params,
-                             lr=lr, batch_size=4, max_length=64, seed=0, chunk_tokens=16, progress=False)
+    options = RecoveryOptions(steps=12, kd_params=params, lr=lr, batch_size=4, max_length=64, seed=0, chunk_tokens=16,
+                              progress=False)
+    out, report = recover_kd(student, teacher, tokenizer, _texts(tiny_reference_dir, 200), options)
     kl_after = divergence(teacher, out, tokenizer, held, max_length=64)["kl"]
     assert kl_after < 0.9 * kl_before, (kl_before, kl_after)
     assert len(report.losses) == 12 and report.last_loss < report.first_loss
@@ -99,11 +100,11 @@ def test_kd_refuses_bad_settings(dense, tiny_reference_dir):
     from infra.config import RecoverySettings
     from pip_core.distill import kd_loss
     from pip_core.errors import PipCoreError
-    from pip_core.recovery import recover_kd
+    from pip_core.recovery import RecoveryOptions, recover_kd
 
     teacher, tokenizer = dense
     with pytest.raises(PipCoreError, match="params must be one of"):
-        recover_kd(copy.deepcopy(teacher), teacher, tokenizer, ["a text"], steps=1, params="half")
+        recover_kd(copy.deepcopy(teacher), teacher, tokenizer, ["a text"], RecoveryOptions(steps=1, kd_params="half"))
     batch = tokenizer(["some words here"], return_tensors="pt")
     with pytest.raises(PipCoreError, match="temperature must be > 0"):
         kd_loss(teacher, teacher, batch["input_ids"], batch["attention_mask"], temperature=0.0)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli, free_port
+from infra.stack import free_port
+from tests.helpers import cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
@@ -27,7 +28,7 @@ BUCKET = "mlflow-model-tests"
 PROMPT = "It is a truth universally acknowledged"
 
 
-def _stack_settings_env(settings) -> dict[str, str]:  # noqa: ANN001
+def _stack_settings_env(settings) -> dict[str, str]:
     """PIPPRUNE_* variables that make a CLI process see the test stack as its embedded stack."""
     return {"PIPPRUNE_HOME": str(settings.home), "PIPPRUNE_S3_PORT": str(settings.s3_port),
             "PIPPRUNE_MLFLOW_PORT": str(settings.mlflow_port), "PIPPRUNE_PREFECT_PORT": str(settings.prefect_port),

@@ -18,7 +18,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)
 
 
-def _tokenizer_bytes(folder) -> dict[str, bytes]:  # noqa: ANN001
+def _tokenizer_bytes(folder) -> dict[str, bytes]:
     return {name: (folder / name).read_bytes() for name in TOKENIZER_FILES if (folder / name).is_file()}
 
 
@@ -48,7 +48,7 @@ def test_two_runs_saving_the_same_step_at_once_both_succeed(tiny_reference_dir, 
     loaded[1][1](LONG, truncation=True, max_length=128)
     refs, errors = [], []
 
-    def save(net, tok) -> None:  # noqa: ANN001
+    def save(net, tok) -> None:
         try:
             refs.append(save_model(net, tok, "step-shared", sum(p.numel() for p in net.parameters())))
         except Exception as exc:  # noqa: BLE001 - collected for the assertion

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from infra.settings import AUX_PORT_BLOCKS, AUX_PORT_STRIDE, Settings, default_aux_port_base
-from tests.helpers import ROOT, cli, free_port
+from infra.stack import free_port
+from tests.helpers import ROOT, cli
 
 
 @pytest.fixture(autouse=True)

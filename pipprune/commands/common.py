@@ -1,4 +1,5 @@
-"""What every command shares: exit codes, one-line errors, and a stdout that holds only the JSON document.
+"""What every command shares: exit codes, one-line errors, a stdout that holds only the JSON document, and the
+checks before work (`check_out`, `check_inputs`, `runtime`: the one place a command brings the stack up).
 
 Exit codes (documented in the README, tested in tests/test_cli_contract.py):
 0 success; 1 a verification or gate failed (lineage mismatch, promotion refused) or a run failed;
@@ -13,9 +14,13 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from infra.settings import Settings
 
 OK, FAILED, BAD_INPUT, UNREACHABLE, INTERRUPTED = 0, 1, 2, 3, 130
 #: version of every `--json` document; bump when a field changes meaning or disappears
@@ -130,3 +135,60 @@ def config_help(path: str, note: str = "") -> str:
     if field.default is not PydanticUndefined and field.default not in (None, ()):
         text += f" (default: {field.default})"
     return text
+
+
+def check_out(out: Path | None, overwrite: bool) -> str | None:
+    from infra.output_dir import OutputDirError, check_output_dir
+
+    if out is None:
+        return None
+    try:
+        return str(check_output_dir(out, overwrite))
+    except OutputDirError as exc:
+        fail(str(exc))
+
+
+def check_inputs(cfg) -> None:  # noqa: ANN001
+    """Model, weights, tokenizer, calibration, evaluation tasks: before any server is started or contacted."""
+    from infra.preflight import PreflightError, check_inputs
+
+    try:
+        check_inputs(cfg)
+    except (PreflightError, ValueError, OSError) as exc:
+        fail(str(exc))
+
+
+def runtime(auto_stack: bool | None = None, check: bool = True) -> Settings:
+    """Settings applied, the stack up (or started, or refused), and with `check` S3/MLflow/Prefect answering with
+    these keys: every command that needs the stack comes here; a stack down or unreachable is exit code 3."""
+    from pydantic import ValidationError
+
+    from infra.preflight import PreflightError, ServiceUnreachable, check_services
+    from infra.runtime import StackDown, prepare_runtime
+    from infra.stack import StackError
+
+    try:
+        settings = prepare_runtime(auto_stack=auto_stack)
+        if check:
+            check_services(settings)
+    except ValidationError as exc:
+        fail("settings (PIPPRUNE_* environment): " + validation_message(exc))
+    except (ServiceUnreachable, StackDown, StackError) as exc:
+        fail(str(exc), code=UNREACHABLE)
+    except PreflightError as exc:
+        fail(str(exc))
+    return settings
+
+
+
+
+def home() -> Path:
+    """PIPPRUNE_HOME as the settings read it (a bad value is reported later, with the other settings)."""
+    from pydantic import ValidationError
+
+    from infra.settings import Settings
+
+    try:
+        return Settings().home
+    except ValidationError:
+        return Path(".pipprune").resolve()

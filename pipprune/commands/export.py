@@ -13,7 +13,8 @@ from typing import Optional
 
 import typer
 
-from pipprune.commands.common import FAILED, UNREACHABLE, json_output
+from infra.tags import RUN_KEY, S3_URI, SOURCE_MODEL
+from pipprune.commands.common import FAILED, json_output, runtime
 from pipprune.commands.common import fail as _fail
 
 FORMATS = ("gguf",)
@@ -39,7 +40,7 @@ def export(
     """Write a registered version as GGUF, measure it against the dense model, sign it and register it as a child."""
     with json_output(json_out) as doc:
         quants = _check_request(fmt, quant, heldout)
-        settings = _runtime(auto_stack)
+        settings = runtime(auto_stack)
         heldout_path = _precheck(settings, name, version, quants, heldout)
         summaries = _run(name, version, quants, str(heldout_path), max_length, registered_name)
         if json_out:
@@ -74,21 +75,6 @@ def _check_heldout(path: Path) -> None:
         _fail(f"--heldout: {exc}")
 
 
-def _runtime(auto_stack: bool | None):  # noqa: ANN202 - infra.settings.Settings
-    from infra.preflight import PreflightError, ServiceUnreachable, check_services
-    from infra.runtime import StackDown, prepare_runtime
-    from infra.stack import StackError
-
-    try:
-        settings = prepare_runtime(auto_stack=auto_stack)
-        check_services(settings)
-    except (ServiceUnreachable, StackDown, StackError) as exc:
-        _fail(str(exc), code=UNREACHABLE)
-    except PreflightError as exc:
-        _fail(str(exc))
-    return settings
-
-
 def _precheck(settings, name: str, version: str, quants: list[str], heldout: Path | None) -> Path:  # noqa: ANN001
     """The version exists and is exportable, judged from its small files in S3; returns the held-out file."""
     from infra.gguf_store import TAGS, is_export
@@ -106,8 +92,8 @@ def _precheck(settings, name: str, version: str, quants: list[str], heldout: Pat
     if is_export(tags):
         _fail(f"{name} v{mv.version} is itself a GGUF export; export its parent "
               f"{tags.get(TAGS['parent_name'])} v{tags.get(TAGS['parent_version'])}")
-    uri = tags.get("pipprune.s3_uri")
-    if not uri or "pipprune.run_key" not in tags:
+    uri = tags.get(S3_URI)
+    if not uri or RUN_KEY not in tags:
         _fail(f"{name} v{mv.version} was not registered by pipprune compress (no S3 checkpoint tags)")
     store = CheckpointStore.for_uri(settings, uri)
     try:
@@ -129,7 +115,7 @@ def _precheck(settings, name: str, version: str, quants: list[str], heldout: Pat
         except GgufExportError as exc:
             _fail(f"{name} v{mv.version}: {exc}")
     if heldout is None:
-        heldout = Path(tags.get("pipprune.source_model", "")) / "tasks" / "persuasion.jsonl"
+        heldout = Path(tags.get(SOURCE_MODEL, "")) / "tasks" / "persuasion.jsonl"
         if not heldout.is_file():
             _fail(f"no held-out texts: the dense source has no {heldout.relative_to(heldout.parents[1])}; "
                   "pass --heldout FILE")
@@ -137,7 +123,7 @@ def _precheck(settings, name: str, version: str, quants: list[str], heldout: Pat
     return heldout.resolve()
 
 
-def _run(name: str, version: str, quants: list[str], heldout: str, max_length: int, registered_name: str | None):  # noqa: ANN202
+def _run(name: str, version: str, quants: list[str], heldout: str, max_length: int, registered_name: str | None):
     from flows.export import export_flow
     from infra.gguf_write import GgufExportError
     from infra.lineage import LineageError

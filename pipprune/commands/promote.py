@@ -7,19 +7,9 @@ from typing import Optional
 
 import typer
 
-from pipprune.commands.common import FAILED, UNREACHABLE, json_output
+from infra.tags import S3_URI
+from pipprune.commands.common import FAILED, json_output, runtime
 from pipprune.commands.common import fail as _fail
-
-
-def _runtime():  # noqa: ANN202 - infra.settings.Settings
-    """Settings applied and the stack up; a stack that cannot be started or is off is exit code 3."""
-    from infra.runtime import StackDown, prepare_runtime
-    from infra.stack import StackError
-
-    try:
-        return prepare_runtime()
-    except (StackDown, StackError) as exc:
-        _fail(str(exc), code=UNREACHABLE)
 
 
 def lineage(
@@ -32,7 +22,7 @@ def lineage(
     """Print the chain behind a model version, re-verify every hash and the model signature; exit 1 on any mismatch."""
     key = _public_key(public_key)
     with json_output(json_out) as doc:
-        settings = _runtime()
+        settings = runtime(check=False)
         from infra.lineage import LineageError, trace
         from infra.mlflow_utils import mlflow_client
         from infra.s3store import CheckpointStore
@@ -74,13 +64,13 @@ def _install_public_key(settings) -> bytes | None:  # noqa: ANN001
         return None
 
 
-def _signature_verifier(settings, key: bytes | None):  # noqa: ANN001, ANN202
+def _signature_verifier(settings, key: bytes | None):  # noqa: ANN001
     """tags -> SignatureCheck of that version's signature against the model in S3."""
     from infra.s3store import CheckpointStore
     from infra.signing import check_version_signature
 
-    def verify(tags: dict[str, str]):  # noqa: ANN202
-        store = CheckpointStore.for_uri(settings, tags["pipprune.s3_uri"]) if tags.get("pipprune.s3_uri") else None
+    def verify(tags: dict[str, str]):
+        store = CheckpointStore.for_uri(settings, tags[S3_URI]) if tags.get(S3_URI) else None
         return check_version_signature(tags, store, key or _install_public_key(settings), settings.work_dir)
 
     return verify
@@ -166,7 +156,7 @@ def promote(
     except PromotionError as exc:
         _fail(str(exc))
     key = _public_key(public_key)
-    settings = _runtime()
+    settings = runtime(check=False)
     from infra.mlflow_utils import mlflow_client
     from infra.promotion import promote as do_promote
 

@@ -11,7 +11,7 @@ from pipprune.commands.common import BAD_INPUT, UNREACHABLE, fail, json_output
 app = typer.Typer(no_args_is_help=True)
 
 
-def _stack():  # noqa: ANN202
+def _stack():
     from infra.settings import Settings, apply_process_env
     from infra.stack import LocalStack
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 
-def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> None:  # noqa: ANN401 - CompressSummary, Settings
+def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> None:  # CompressSummary, Settings
     from rich.console import Console
     from rich.table import Table
 
@@ -49,7 +49,7 @@ def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> No
         console.print(f"Model copied to: {summary.out_dir}")
 
 
-def _print_verdict(console: Any, quality: dict) -> None:  # noqa: ANN401 - rich Console
+def _print_verdict(console: Any, quality: dict) -> None:  # rich Console
     verdict = quality.get("verdict")
     if verdict is None:
         return
