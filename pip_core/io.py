@@ -23,6 +23,7 @@ from pip_core import families, modeling_pipprune
 from pip_core.errors import UnsupportedArchitectureError
 from pip_core.prune import sync_config
 from pip_core.units import check_supported, param_count
+from pip_core.weights_memory import own_weights
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +189,7 @@ def load(model_dir: str | Path, dtype: torch.dtype | str = "auto", device_map: s
         device_map = resolve_device(device)  # refuses a CUDA device that is not there
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device_map,
                                                  use_safetensors=True, trust_remote_code=False)
+    own_weights(model)  # out of the file's memory map: pruned blocks then give their memory back
     model.eval()
     tok = None
     if tokenizer:

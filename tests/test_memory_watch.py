@@ -25,3 +25,26 @@ def test_figures_split_the_peak_into_baseline_and_the_runs_own():
     assert figures["run.peak_rss_over_weights"] == pytest.approx(peak / weights)
     assert figures["run.run_memory_over_weights"] == pytest.approx((peak - watch.baseline_bytes) / weights)
     assert figures["run.baseline_rss_bytes"] == watch.baseline_bytes and figures["run.weights_bytes"] == weights
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="/proc/self/maps")
+def test_loaded_weights_live_outside_the_checkpoints_memory_map(tiny_reference_dir):
+    """transformers leaves CPU weights as views of the mapped safetensors file (so pruned blocks would stay resident);
+    pipprune's loader gives each its own memory, with the same values."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pip_core import io as core_io
+    from pip_core.weights_memory import _file_mappings
+
+    def mapped(model: torch.nn.Module) -> int:
+        ranges = _file_mappings()
+        return sum(any(lo <= p.data_ptr() < hi for lo, hi in ranges) for p in model.parameters())
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_reference_dir, dtype=torch.float32).eval()
+    assert mapped(plain) > 0  # what the loader has to undo
+    net, _ = core_io.load(tiny_reference_dir, dtype=torch.float32)
+    assert mapped(net) == 0
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    with torch.no_grad():
+        assert torch.equal(net(ids).logits, plain(ids).logits)
