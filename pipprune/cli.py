@@ -19,6 +19,7 @@ from pipprune.commands import keys as keys_cmd
 from pipprune.commands import promote as promote_cmd
 from pipprune.commands import reference as reference_cmd
 from pipprune.commands import stack as stack_cmd
+from pipprune.commands import sweep as sweep_cmd
 from pipprune.commands.common import (
     BAD_INPUT,
     FAILED,
@@ -40,6 +41,7 @@ app.add_typer(keys_cmd.app, name="keys", help="The key that signs registered mod
 app.command("lineage")(promote_cmd.lineage)
 app.command("promote")(promote_cmd.promote)
 app.command("export")(export_cmd.export)
+app.command("sweep")(sweep_cmd.sweep)
 
 
 @app.callback()

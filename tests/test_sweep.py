@@ -1,0 +1,121 @@
+"""Sweeps: the grid as compress configs, the Pareto front, and a sweep end to end on the real local stack
+(points as subflows here, and as deployment runs on a process work pool with 2 workers), rerun reusing points."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.sweep import SweepConfig, apply_settings, markdown_table, pareto_front
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _base(ref: str = "m") -> dict:
+    return {"model": ref, "calibration": ref, "scoring": {"method": "pip", "iterations": 1}}
+
+
+def test_grid_expands_flat_and_dotted_keys_into_compress_configs() -> None:
+    sweep = SweepConfig(base=_base(), grid={"ratio": [0.1, 0.2], "scoring.unit": ["block", "width"],
+                                            "n_samples": [8]})
+    points = sweep.points()
+    assert len(points) == 4
+    assert {(p.config.ratio, p.config.scoring.unit) for p in points} == {
+        (0.1, "block"), (0.1, "width"), (0.2, "block"), (0.2, "width")}
+    assert all(p.config.calibration.n_samples == 8 and p.config.scoring.method == "pip" for p in points)
+    assert points[0].label == "ratio=0.1,scoring.unit=block,n_samples=8"
+
+
+def test_identical_points_collapse_and_keys_follow_config_source_and_code() -> None:
+    sweep = SweepConfig(base=_base(), grid={"unit": ["block", "block"], "scoring.unit": ["block"]})
+    points = sweep.points()
+    assert len(points) == 1
+    key = points[0].key("fp", "code")
+    assert key == points[0].key("fp", "code") and key != points[0].key("fp2", "code") != points[0].key("fp", "c2")
+
+
+def test_bad_sweep_files_are_named(tmp_path) -> None:  # noqa: ANN001
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="grid.ratio must be a non-empty list"):
+        SweepConfig(base=_base(), grid={"ratio": []})
+    with pytest.raises(ValidationError, match="ratio must be in"):
+        SweepConfig(base=_base(), grid={"ratio": [1.5]}).points()
+    assert apply_settings({"calibration": "c"}, {"calibration.n_samples": 4}) == {
+        "calibration": {"source": "c", "n_samples": 4}}
+
+
+def test_pareto_front_keeps_only_undominated_points() -> None:
+    rows = [{"point": "a", "achieved_ratio": 0.1, "kl": 0.1}, {"point": "b", "achieved_ratio": 0.2, "kl": 0.3},
+            {"point": "c", "achieved_ratio": 0.1, "kl": 0.4}, {"point": "d", "achieved_ratio": 0.3, "kl": 0.2},
+            {"point": "e", "achieved_ratio": math.nan, "kl": math.nan}]
+    assert [rows[i]["point"] for i in pareto_front(rows)] == ["a", "d"]
+    table = markdown_table([{**r, "status": "ran"} for r in rows])
+    assert table.count("\n") == 2 + len(rows) and "| e | ran |" in table
+
+
+# ---------------------------------------------------------------- end to end on the local stack
+
+def _sweep_file(tmp: Path, ref: Path, **extra) -> Path:
+    base = {"model": str(ref), "calibration": str(ref), "n_samples": 6, "heldout_samples": 4, "max_length": 48,
+            "eval_tasks": ["pipprune_wordnet_cloze"], "eval_include_path": str(ref / "tasks"), "eval_limit": 20,
+            "registered_model_name": "tiny-sweep", "serving": {"measure": False},
+            "scoring": {"method": "pip", "iterations": 1}}
+    data = {"name": extra.pop("name", "t"), "base": base, **extra}
+    path = tmp / "sweep.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _cli(env: dict[str, str], *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipprune.cli", *args], env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _parent_artifacts(env: dict[str, str], run_id: str) -> tuple[list[str], dict, list]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    names = [a.path for a in client.list_artifacts(run_id, "sweep")]
+    children = client.search_runs([client.get_run(run_id).info.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{run_id}'")
+    return names, client.get_run(run_id).data.metrics, children
+
+
+def test_local_sweep_reruns_reuse_points_and_a_failed_point_is_reported(stack_env, tiny_reference_dir, tmp_path):  # noqa: ANN001
+    """2 points as subflows here; the rerun reuses both (same MLflow runs); a sweep with one infeasible point runs
+    the rest and exits 1 with the failure in its table."""
+    import json
+
+    path = _sweep_file(tmp_path, tiny_reference_dir, grid={"ratio": [0.2, 0.3], "scoring.unit": ["block"]})
+    first = _cli(stack_env, "sweep", "--config", str(path), "--json")
+    assert first.returncode == 0, first.stderr[-3000:]
+    doc = json.loads(first.stdout)
+    assert [r["status"] for r in doc["rows"]] == ["ran", "ran"]
+    assert all(r["achieved_ratio"] > 0.1 and math.isfinite(r["kl"]) for r in doc["rows"])
+    names, metrics, children = _parent_artifacts(stack_env, doc["parent_run_id"])
+    assert {"sweep/sweep.csv", "sweep/sweep.md", "sweep/pareto.png", "sweep/sweep.json"} <= set(names)
+    assert metrics["points.ran"] == 2 and len(children) == 2
+
+    started = time.perf_counter()
+    again = _cli(stack_env, "sweep", "--config", str(path), "--json")
+    assert again.returncode == 0, again.stderr[-3000:]
+    redo = json.loads(again.stdout)
+    assert [r["status"] for r in redo["rows"]] == ["reused", "reused"]
+    assert [r["mlflow_run_id"] for r in redo["rows"]] == [r["mlflow_run_id"] for r in doc["rows"]]
+    assert time.perf_counter() - started < 120
+
+    # a point the budget planner refuses (90% of a 6-block model in whole blocks) fails alone; the other is reused
+    mixed = _sweep_file(tmp_path, tiny_reference_dir, grid={"ratio": [0.2, 0.9], "scoring.unit": ["block"]})
+    failed = _cli(stack_env, "sweep", "--config", str(mixed), "--json")
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    rows = json.loads(failed.stdout)["rows"]
+    assert [r["status"] for r in rows] == ["reused", "failed"], rows
+    assert "0.9" in rows[1]["error"] or "remove" in rows[1]["error"], rows[1]["error"]
