@@ -141,7 +141,8 @@ def _execute(point: SweepPoint, deployment: str | None) -> Any:  # noqa: ANN401 
             message = flow_run.state.message if flow_run.state else "no state"
             raise RuntimeError(f"flow run {flow_run.id} ended {flow_run.state.name if flow_run.state else '?'}: "
                                f"{message}")
-        flow_run_id, where = str(flow_run.id), f"pool worker process {flow_run.infrastructure_pid or '?'}"
+        worker = (flow_run.labels or {}).get("prefect.worker.name", "?")  # set by the worker that took the run
+        flow_run_id, where = str(flow_run.id), f"worker {worker} (process {flow_run.infrastructure_pid or '?'})"
     else:
         from flows.compress import compress_flow
 

@@ -71,3 +71,28 @@ def test_two_dask_workers_give_the_single_process_scores(tiny_reference_dir, cal
     assert spread == pytest.approx(single, rel=1e-9, abs=1e-12)
     chosen = schedule.select_step(units, single, spec, options)
     assert schedule.select_step(found, spread, spec, options) == chosen and chosen
+
+
+def test_score_units_task_spreads_over_workers_when_the_runtime_asks(tiny_reference_dir, calibration_pairs) -> None:  # noqa: ANN001
+    """The flow's own task: `runtime.scoring_workers: 2` writes the same stats as one process."""
+    import json
+    from pathlib import Path
+
+    from infra.calibration import CalibrationSource
+    from pip_core.schedule import StepSpec
+    from tasks.calibration import prepare_calibration
+    from tasks.scoring import score_units
+
+    settings = CalibrationSettings(source=str(tiny_reference_dir), n_samples=12, heldout_samples=2)
+    calib = prepare_calibration.fn(settings, 0, CalibrationSource(settings.source, settings.wordlist).digest())
+    ref = ModelRef(local_dir=str(tiny_reference_dir), fingerprint=io.model_fingerprint(tiny_reference_dir),
+                   num_params=io.param_count_from_dir(tiny_reference_dir))
+    spec = StepSpec(step=1, target_ratio=0.2, params_to_remove=int(0.2 * ref.num_params), seed=0)
+    scoring = ScoringSettings(unit="block", method="pip")
+    one = score_units.fn(ref, calib, scoring, spec, 64, RuntimeSettings(device="cpu", dtype="float32"))
+    rows_one = json.loads(Path(one.path).read_text())
+    two = score_units.fn(ref, calib, scoring, spec, 64, RuntimeSettings(device="cpu", dtype="float32",
+                                                                         scoring_workers=2))
+    rows_two = json.loads(Path(two.path).read_text())
+    assert [r["unit_id"] for r in rows_two] == [r["unit_id"] for r in rows_one]
+    assert [r["score"] for r in rows_two] == pytest.approx([r["score"] for r in rows_one], rel=1e-9)
