@@ -82,7 +82,7 @@ class SweepConfig(BaseModel):
         for values in itertools.product(*(self.grid[k] for k in keys)):
             setting = dict(zip(keys, values, strict=True))
             config = CompressConfig(**apply_settings(self.base, setting))
-            label = ",".join(f"{k}={v}" for k, v in setting.items())
+            label = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in setting.items())
             digest = config.digest()
             if digest not in seen:
                 seen[digest] = SweepPoint(label=label, setting=setting, config=config)
@@ -173,6 +173,8 @@ def pareto_plot(rows: list[dict[str, Any]], title: str):  # noqa: ANN201 - matpl
     for r in done:
         ax.annotate(r["point"], (100 * r["achieved_ratio"], r["kl"]), textcoords="offset points", xytext=(5, 5),
                     fontsize=7)
+    xs = [100 * r["achieved_ratio"] for r in done] or [0.0]
+    ax.set_xlim(min(xs) - 0.05 * (max(xs) - min(xs) + 1), max(xs) + 0.35 * (max(xs) - min(xs) + 1))
     ax.set_xlabel("parameters removed (%)")
     ax.set_ylabel("KL to the dense model, nats/token (lower is better)")
     ax.set_title(title, fontsize=10)

@@ -8,11 +8,13 @@ its Prefect flow run id (lineage), and the sweep adds `pipprune.sweep.point_key`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -74,8 +76,9 @@ def deploy_point_flow(sweep: SweepConfig, source: str) -> str:
     from flows.deployments import COMPRESS
 
     deployable = flow.from_source(source=source, entrypoint=COMPRESS.entrypoint)
-    deployable.deploy(name=sweep.deployment, work_pool_name=sweep.work_pool, build=False, push=False,
-                      print_next_steps=False)
+    with contextlib.redirect_stdout(sys.stderr):  # Prefect prints a table: stdout is the sweep's own
+        deployable.deploy(name=sweep.deployment, work_pool_name=sweep.work_pool, build=False, push=False,
+                          print_next_steps=False, ignore_warnings=True)
     return f"compress/{sweep.deployment}"
 
 
@@ -162,8 +165,10 @@ def _adopt(run: Any, point: SweepPoint, point_key: str, parent_run_id: str, swee
     """Tag the point's compress run as a child of the sweep and read its row."""
     client = mlflow_client()
     run_id = run.info.run_id
-    for key, value in {PARENT_TAG: parent_run_id, POINT_KEY_TAG: point_key, SWEEP_TAG: sweep.name,
-                       "pipprune.sweep.point": point.label}.items():
+    tags = {POINT_KEY_TAG: point_key, SWEEP_TAG: sweep.name, "pipprune.sweep.point": point.label}
+    if PARENT_TAG not in run.data.tags:  # a reused point stays the child of the sweep run that computed it
+        tags[PARENT_TAG] = parent_run_id
+    for key, value in tags.items():
         client.set_tag(run_id, key, value)
     versions = client.search_model_versions(f"run_id = '{run_id}'")
     version = next((v.version for v in versions if v.name == point.config.registered_model_name), "")

@@ -30,7 +30,7 @@ def test_grid_expands_flat_and_dotted_keys_into_compress_configs() -> None:
     assert {(p.config.ratio, p.config.scoring.unit) for p in points} == {
         (0.1, "block"), (0.1, "width"), (0.2, "block"), (0.2, "width")}
     assert all(p.config.calibration.n_samples == 8 and p.config.scoring.method == "pip" for p in points)
-    assert points[0].label == "ratio=0.1,scoring.unit=block,n_samples=8"
+    assert points[0].label == "ratio=0.1,unit=block,n_samples=8"
 
 
 def test_identical_points_collapse_and_keys_follow_config_source_and_code() -> None:
@@ -119,3 +119,43 @@ def test_local_sweep_reruns_reuse_points_and_a_failed_point_is_reported(stack_en
     rows = json.loads(failed.stdout)["rows"]
     assert [r["status"] for r in rows] == ["reused", "failed"], rows
     assert "0.9" in rows[1]["error"] or "remove" in rows[1]["error"], rows[1]["error"]
+
+
+def test_sweep_on_a_process_work_pool_with_two_workers(stack_env, tiny_reference_dir, tmp_path):  # noqa: ANN001
+    """4 points as deployment runs on a process work pool served by 2 workers (one run at a time each): both
+    workers take points, the parent run has the table and the Pareto plot, and the rerun reuses every point."""
+    import json
+
+    env = {**os.environ, **stack_env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    prefect = [sys.executable, "-m", "prefect"]
+    made = subprocess.run([*prefect, "work-pool", "create", "sweep-pool", "--type", "process"], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert made.returncode == 0, made.stderr[-2000:]
+    logs = [tmp_path / f"worker-{i}.log" for i in (1, 2)]
+    workers = [subprocess.Popen([*prefect, "worker", "start", "--pool", "sweep-pool", "--name", f"w{i}", "--limit", "1"],
+                                env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+               for i, log in zip((1, 2), logs, strict=True)]
+    try:
+        path = _sweep_file(tmp_path, tiny_reference_dir, name="pool", work_pool="sweep-pool", concurrency=2,
+                           grid={"ratio": [0.2, 0.35], "scoring.unit": ["block", "width"]})
+        first = _cli(stack_env, "sweep", "--config", str(path), "--json")
+        assert first.returncode == 0, first.stderr[-3000:]
+        doc = json.loads(first.stdout)
+        rows = doc["rows"]
+        assert [r["status"] for r in rows] == ["ran"] * 4, rows
+        took = {r["worker"].split()[1] for r in rows}
+        assert took == {"w1", "w2"}, [r["worker"] for r in rows]
+        names, metrics, children = _parent_artifacts(stack_env, doc["parent_run_id"])
+        assert {"sweep/sweep.csv", "sweep/pareto.png"} <= set(names) and len(children) == 4
+        again = _cli(stack_env, "sweep", "--config", str(path), "--json")
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert [r["status"] for r in json.loads(again.stdout)["rows"]] == ["reused"] * 4
+        print(first.stdout)  # the table, for the record (pytest -s)
+    finally:
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
