@@ -13,11 +13,17 @@ pipprune() { python -m pipprune.cli "$@"; }
 pipprune stack up                                   # S3 (SeaweedFS), MLflow, Prefect on 127.0.0.1
 eval "$(pipprune stack env)"                        # PREFECT_API_URL, MLFLOW_TRACKING_URI, S3 endpoint and keys
 python -m prefect work-pool create demo-pool --type process || true
+pids=()
 for w in 1 2; do                                    # two workers, one point at a time each (any machine can add more)
   python -m prefect worker start --pool demo-pool --name "w$w" --limit 1 > "$out/worker-$w.log" 2>&1 &
-  echo $! >> "$out/worker.pids"
+  pids+=($!)
 done
-trap 'kill $(cat "$out/worker.pids") 2>/dev/null || true' EXIT
+stop_workers() {
+  kill "${pids[@]}" 2>/dev/null || true
+  for _ in $(seq 30); do kill -0 "${pids[@]}" 2>/dev/null || return 0; sleep 1; done
+  kill -9 "${pids[@]}" 2>/dev/null || true
+}
+trap stop_workers EXIT
 
 cat > "$out/sweep.yaml" <<EOF
 name: demo
@@ -42,7 +48,8 @@ EOF
 /usr/bin/time -f "first sweep: %e s" python -m pipprune.cli sweep --config "$out/sweep.yaml" | tee "$out/first.md"
 /usr/bin/time -f "rerun: %e s" python -m pipprune.cli sweep --config "$out/sweep.yaml" | tee "$out/rerun.md"
 grep -h "submitting flow run\|Completed submission" "$out"/worker-*.log | tee "$out/workers.txt" || true
-echo "MLflow: $MLFLOW_TRACKING_URI (experiment pipprune-compress, run sweep-demo: Artifacts -> sweep/)"
+echo "MLflow: $MLFLOW_TRACKING_URI (experiment pipprune-compress, run sweep-demo: Artifacts -> sweep/);" \
+  "stop the stack: PIPPRUNE_HOME=$PIPPRUNE_HOME pipprune stack down"
 python - "$out" <<'PY'  # the parent run's table and Pareto plot, as MLflow stores them
 import sys
 from mlflow import MlflowClient

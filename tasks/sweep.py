@@ -36,6 +36,8 @@ PARENT_TAG = "mlflow.parentRunId"
 FLOW_RUN_TAG = "pipprune.prefect_flow_run_id"
 #: where the point ran: the work pool worker's process (host:pid), or this process for subflows
 WHERE_TAG = "pipprune.sweep.ran_in"
+#: the point's whole flow run in seconds (its process start, inputs and model loads included)
+WALL_TAG = "pipprune.sweep.wall_s"
 
 
 def limit_name(sweep: SweepConfig) -> str:
@@ -146,17 +148,24 @@ def _execute(point: SweepPoint, deployment: str | None) -> Any:  # noqa: ANN401 
                                f"{message}")
         worker = (flow_run.labels or {}).get("prefect.worker.name", "?")  # set by the worker that took the run
         flow_run_id, where = str(flow_run.id), f"worker {worker} (process {flow_run.infrastructure_pid or '?'})"
+        wall = (flow_run.end_time - flow_run.start_time).total_seconds() \
+            if flow_run.start_time and flow_run.end_time else None
     else:
         from flows.compress import compress_flow
 
+        started = time.perf_counter()
         state = compress_flow(point.config, return_state=True)
         state.result()  # raises the point's own error
+        wall = time.perf_counter() - started
         flow_run_id, where = str(state.state_details.flow_run_id), f"subflow in {socket.gethostname()}:{os.getpid()}"
     run = _run_of_flow_run(flow_run_id)
     if run is None:
         raise RuntimeError(f"flow run {flow_run_id} finished but no MLflow run carries its id")
-    mlflow_client().set_tag(run.info.run_id, WHERE_TAG, where)
-    run.data.tags[WHERE_TAG] = where
+    client = mlflow_client()
+    for key, value in {WHERE_TAG: where, WALL_TAG: f"{wall:.1f}" if wall is not None else ""}.items():
+        if value:
+            client.set_tag(run.info.run_id, key, value)
+            run.data.tags[key] = value
     return run
 
 
@@ -172,7 +181,8 @@ def _adopt(run: Any, point: SweepPoint, point_key: str, parent_run_id: str, swee
         client.set_tag(run_id, key, value)
     versions = client.search_model_versions(f"run_id = '{run_id}'")
     version = next((v.version for v in versions if v.name == point.config.registered_model_name), "")
-    wall = (run.info.end_time - run.info.start_time) / 1000 if run.info.end_time else seconds
+    wall = float(run.data.tags[WALL_TAG]) if run.data.tags.get(WALL_TAG) else \
+        (run.info.end_time - run.info.start_time) / 1000 if run.info.end_time else seconds
     return sweep_rules.point_row(point.label, status, dict(run.data.metrics), wall_s=wall, mlflow_run_id=run_id,
                                  model_version=str(version), error="",
                                  worker=run.data.tags.get(WHERE_TAG, ""))
