@@ -123,8 +123,10 @@ def run_point(point: SweepPoint, point_key: str, parent_run_id: str, sweep: Swee
         run = finished_run(point_key)
         status = "reused"
         if run is None:
-            with concurrency(limit_name(sweep), occupy=1, strict=True):
-                run = finished_run(point_key)  # an identical point may have finished while this one waited
+            # the sweep's slots, and a one-slot limit of this point's key: the same point started by another sweep
+            # (on any machine that shares the Prefect server) waits here, then finds the finished run
+            with concurrency([limit_name(sweep), _point_limit(point_key)], occupy=1, strict=True):
+                run = finished_run(point_key)
                 if run is None:
                     run, status = _execute(point, deployment), "ran"
         return _adopt(run, point, point_key, parent_run_id, sweep, status, time.perf_counter() - started)
@@ -133,6 +135,19 @@ def run_point(point: SweepPoint, point_key: str, parent_run_id: str, sweep: Swee
         return sweep_rules.point_row(point.label, "failed", {}, wall_s=time.perf_counter() - started,
                                      mlflow_run_id="", model_version="", error=f"{type(exc).__name__}: {exc}"[:300],
                                      worker="")
+
+
+def _point_limit(point_key: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectAlreadyExists
+
+    name = f"pipprune-point-{point_key}"
+    with get_client(sync_client=True) as client:
+        try:
+            client.upsert_global_concurrency_limit_by_name(name, 1)
+        except ObjectAlreadyExists:  # another sweep created it between the read and the create: same limit
+            pass
+    return name
 
 
 def _execute(point: SweepPoint, deployment: str | None) -> Any:  # noqa: ANN401 - mlflow Run

@@ -159,3 +159,24 @@ def test_sweep_on_a_process_work_pool_with_two_workers(stack_env, tiny_reference
                 worker.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 worker.kill()
+
+
+def test_the_same_point_in_two_concurrent_sweeps_is_computed_once(stack_env, tiny_reference_dir, tmp_path):  # noqa: ANN001
+    """Two sweeps started together with one identical point: one runs it, the other waits on the point's
+    one-slot Prefect limit and then reuses the finished run."""
+    import json
+
+    procs, dirs = [], []
+    for name in ("twin-a", "twin-b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        path = _sweep_file(folder, tiny_reference_dir, name=name, grid={"ratio": [0.25], "seed": [7]})
+        procs.append(subprocess.Popen([sys.executable, "-m", "pipprune.cli", "sweep", "--config", str(path), "--json"],
+                                      env={**os.environ, **stack_env, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        dirs.append(folder)
+    outs = [p.communicate(timeout=1500) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    rows = [json.loads(out)["rows"][0] for out, _ in outs]
+    assert sorted(r["status"] for r in rows) == ["ran", "reused"], rows
+    assert rows[0]["mlflow_run_id"] == rows[1]["mlflow_run_id"]
