@@ -128,7 +128,7 @@ def run_point(point: SweepPoint, point_key: str, parent_run_id: str, sweep: Swee
             with concurrency([limit_name(sweep), _point_limit(point_key)], occupy=1, strict=True):
                 run = finished_run(point_key)
                 if run is None:
-                    run, status = _execute(point, deployment), "ran"
+                    run, status = _execute(point, point_key, deployment), "ran"
         return _adopt(run, point, point_key, parent_run_id, sweep, status, time.perf_counter() - started)
     except Exception as exc:  # noqa: BLE001 - one failed point is reported, the sweep goes on
         log.error("point %s failed: %s: %s", point.label, type(exc).__name__, exc)
@@ -150,8 +150,9 @@ def _point_limit(point_key: str) -> str:
     return name
 
 
-def _execute(point: SweepPoint, deployment: str | None) -> Any:  # noqa: ANN401 - mlflow Run
-    """The point as a deployment run on the work pool, or as a compress subflow in this process."""
+def _execute(point: SweepPoint, point_key: str, deployment: str | None) -> Any:  # noqa: ANN401 - mlflow Run
+    """The point as a deployment run on the work pool, or as a compress subflow in this process; its run tagged
+    with the point's key before the point's slots are released (a waiting twin then finds it)."""
     if deployment:
         from prefect.deployments import run_deployment
 
@@ -177,7 +178,8 @@ def _execute(point: SweepPoint, deployment: str | None) -> Any:  # noqa: ANN401 
     if run is None:
         raise RuntimeError(f"flow run {flow_run_id} finished but no MLflow run carries its id")
     client = mlflow_client()
-    for key, value in {WHERE_TAG: where, WALL_TAG: f"{wall:.1f}" if wall is not None else ""}.items():
+    for key, value in {WHERE_TAG: where, WALL_TAG: f"{wall:.1f}" if wall is not None else "",
+                       POINT_KEY_TAG: point_key}.items():
         if value:
             client.set_tag(run.info.run_id, key, value)
             run.data.tags[key] = value
