@@ -95,7 +95,9 @@ def test_local_sweep_reruns_reuse_points_and_a_failed_point_is_reported(stack_en
     import json
 
     path = _sweep_file(tmp_path, tiny_reference_dir, grid={"ratio": [0.2, 0.3], "scoring.unit": ["block"]})
+    started = time.perf_counter()
     first = _cli(stack_env, "sweep", "--config", str(path), "--json")
+    first_s = time.perf_counter() - started
     assert first.returncode == 0, first.stderr[-3000:]
     doc = json.loads(first.stdout)
     assert [r["status"] for r in doc["rows"]] == ["ran", "ran"]
@@ -110,7 +112,7 @@ def test_local_sweep_reruns_reuse_points_and_a_failed_point_is_reported(stack_en
     redo = json.loads(again.stdout)
     assert [r["status"] for r in redo["rows"]] == ["reused", "reused"]
     assert [r["mlflow_run_id"] for r in redo["rows"]] == [r["mlflow_run_id"] for r in doc["rows"]]
-    assert time.perf_counter() - started < 120
+    assert time.perf_counter() - started < first_s  # nothing recomputed (the machine's load sets the figures)
 
     # a point the budget planner refuses (90% of a 6-block model in whole blocks) fails alone; the other is reused
     mixed = _sweep_file(tmp_path, tiny_reference_dir, grid={"ratio": [0.2, 0.9], "scoring.unit": ["block"]})
