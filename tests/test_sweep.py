@@ -94,7 +94,10 @@ def test_local_sweep_reruns_reuse_points_and_a_failed_point_is_reported(stack_en
     the rest and exits 1 with the failure in its table."""
     import json
 
-    path = _sweep_file(tmp_path, tiny_reference_dir, grid={"ratio": [0.2, 0.3], "scoring.unit": ["block"]})
+    gates = tmp_path / "gates.yaml"
+    gates.write_text(yaml.safe_dump({"param_reduction_min": 0.3, "require_signature": False}))
+    path = _sweep_file(tmp_path, tiny_reference_dir, grid={"ratio": [0.2, 0.3], "scoring.unit": ["block"]},
+                       gates=str(gates), alias="sweep-best")
     started = time.perf_counter()
     first = _cli(stack_env, "sweep", "--config", str(path), "--json")
     first_s = time.perf_counter() - started
@@ -105,6 +108,12 @@ def test_local_sweep_reruns_reuse_points_and_a_failed_point_is_reported(stack_en
     names, metrics, children = _parent_artifacts(stack_env, doc["parent_run_id"])
     assert {"sweep/sweep.csv", "sweep/sweep.md", "sweep/pareto.png", "sweep/sweep.json"} <= set(names)
     assert metrics["points.ran"] == 2 and len(children) == 2
+    # the best point passing the gates (>= 30% removed): ratio 0.3, whose version now has the alias
+    assert doc["promoted"]["point"] == "ratio=0.3,unit=block", doc["promoted"]
+    from mlflow import MlflowClient
+
+    best = MlflowClient(stack_env["MLFLOW_TRACKING_URI"]).get_model_version_by_alias("tiny-sweep", "sweep-best")
+    assert best.version == doc["rows"][1]["model_version"] and doc["rows"][0]["achieved_ratio"] < 0.3
 
     started = time.perf_counter()
     again = _cli(stack_env, "sweep", "--config", str(path), "--json")
