@@ -36,7 +36,7 @@ PARENT_TAG = "mlflow.parentRunId"
 FLOW_RUN_TAG = "pipprune.prefect_flow_run_id"
 #: where the point ran: the work pool worker's process (host:pid), or this process for subflows
 WHERE_TAG = "pipprune.sweep.ran_in"
-#: the point's whole flow run in seconds (its process start, inputs and model loads included)
+#: the point's flow run from start to end in seconds (inputs and model loads included, the worker's process start-up not)
 WALL_TAG = "pipprune.sweep.wall_s"
 
 
