@@ -183,6 +183,12 @@ class RuntimeSettings(_Group):
     activation_budget: float | None = Field(
         0.5, ge=0, description="gradient checkpointing (scoring, recovery) when all layers' activations would "
         "exceed this fraction of the weights: a lower peak for some recomputation; null: only when memory is short")
+    scoring_workers: int = Field(1, ge=1, le=1024, description="spread the calibration pairs of each scoring step "
+                                 "over N Dask workers (a local cluster, one process each; one per GPU on a multi-GPU "
+                                 "node); scores equal the single-process ones. 1 = score in this process")
+    scoring_cluster: str | None = Field(None, description="address of an existing Dask scheduler (tcp://HOST:8786) "
+                                        "to score on instead of a local cluster (dask-kubernetes, dask-jobqueue)")
+    scoring_threads: int = Field(1, ge=1, description="torch threads per scoring worker of the local cluster")
 
     @field_validator("device")
     @classmethod
@@ -321,6 +327,7 @@ class CompressConfig(BaseModel):
         payload = self.model_dump(mode="json", exclude={"model", "evaluation", "registered_model_name", "export"})
         payload["calibration"] = {k: v for k, v in payload["calibration"].items() if k not in ("source", "wordlist")}
         payload["serving"] = {k: payload["serving"][k] for k in ("context", "batch")}  # what a memory budget counts
+        payload["runtime"] = {k: payload["runtime"][k] for k in ("device", "dtype")}  # where scoring runs does not
         return payload
 
 

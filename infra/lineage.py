@@ -149,7 +149,7 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
             if metric in metrics and i in steps and abs(steps[i] - metrics[metric]) > 1e-6 * max(1.0, abs(steps[i])):
                 problems.append(f"iteration {i}: {metric} in S3 is {metrics[metric]} but MLflow logged {steps[i]}")
         if meta.get("lineage", {}).get(RUN_KEY) not in (None, tags[RUN_KEY]):
-            problems.append(f"iteration {i}: manifest belongs to run key {meta['lineage']['pipprune.run_key']}")
+            problems.append(f"iteration {i}: manifest belongs to run key {meta['lineage'][RUN_KEY]}")
         problems.extend(_check_recovery(i, meta, refs.get(i - 1), tags))
         iterations.append(IterationRecord(
             iteration=i, stage=meta.get("stage", "prune"), s3_uri=ref.uri,
@@ -231,7 +231,7 @@ def _check_datasets(datasets: dict[str, dict[str, str]], tags: dict[str, str]) -
     calibration = tags.get(DATASET_DIGEST.format(context="calibration"))
     if calibration and not tags.get(CALIBRATION_HASH, "").startswith(calibration):
         problems.append(f"dataset calibration: digest {calibration} is not the calibration hash "
-                        f"{tags.get('pipprune.calibration_hash', '')[:32]}")
+                        f"{tags.get(CALIBRATION_HASH, '')[:32]}")
     return problems
 
 
@@ -278,5 +278,5 @@ def _check_recovery(i: int, meta: dict, previous, tags: dict[str, str]) -> list[
     if (meta.get("recovery") or {}).get("kind") == "kd" and \
             meta.get("teacher_fingerprint") != tags.get(SOURCE_FINGERPRINT):
         problems.append(f"iteration {i}: distilled from teacher {str(meta.get('teacher_fingerprint'))[:12]}, "
-                        f"not the source model {tags.get('pipprune.source_fingerprint', '')[:12]}")
+                        f"not the source model {tags.get(SOURCE_FINGERPRINT, '')[:12]}")
     return problems

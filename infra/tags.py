@@ -94,3 +94,12 @@ HELDOUT_SHA256 = "pipprune.heldout_sha256"
 REQUIRES_REMOTE_CODE = "pipprune.requires_remote_code"
 WEIGHTS = "pipprune.weights"
 REMOTE_CODE = "pipprune.remote_code"
+
+# sweeps (tasks.sweep): the parent run and each point's run
+SWEEP = "pipprune.sweep"
+SWEEP_ROLE = "pipprune.sweep.role"
+SWEEP_POINT = "pipprune.sweep.point"
+SWEEP_POINT_KEY = "pipprune.sweep.point_key"
+SWEEP_RAN_IN = "pipprune.sweep.ran_in"
+SWEEP_WALL_S = "pipprune.sweep.wall_s"
+SWEEP_PARETO = "pipprune.sweep.pareto"

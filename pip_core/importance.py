@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +198,13 @@ def _abs_product(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def pert_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
                 max_length: int = 128, progress: bool = True, form: str = "l2") -> torch.Tensor:
     """PIP: mean over pairs of each unit's gradient difference between the views, in `form`."""
+    total, count = _pert_sums(model, tokenizer, pairs, units, max_length, progress, form)
+    return total / count
+
+
+def _pert_sums(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
+               max_length: int = 128, progress: bool = True, form: str = "l2") -> tuple[torch.Tensor, int]:
+    """`pert_import`'s per-unit sum over the pairs (float64) and the number of pairs."""
     if form not in PIP_FORMS:
         raise PipCoreError(f"unknown PIP form {form!r}; use one of {', '.join(PIP_FORMS)}")
     if not pairs:
@@ -224,7 +232,7 @@ def pert_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], u
                                      torch.zeros_like(clean))
             else:
                 total += acc if form == "first_order" else acc.sqrt()
-    return total.cpu() / len(pairs)
+    return total.cpu(), len(pairs)
 
 
 def aligned_positions(a: Sequence[int], b: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -244,6 +252,13 @@ def aligned_positions(a: Sequence[int], b: Sequence[int]) -> tuple[list[int], li
 @torch.no_grad()
 def repr_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
                 max_length: int = 128, progress: bool = True, form: str = "repr") -> torch.Tensor:
+    """PIP at the representation level (see `_repr_sums`): the mean over pairs."""
+    total, count = _repr_sums(model, tokenizer, pairs, units, max_length, progress, form)
+    return total / count
+
+
+def _repr_sums(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
+               max_length: int = 128, progress: bool = True, form: str = "repr") -> tuple[torch.Tensor, int]:
     """PIP at the representation level: how much each block changes the difference between the views.
 
     With d_in = h_in(s) - h_in(s~) and d_out = h_out(s) - h_out(s~) at the aligned positions of a
@@ -293,8 +308,7 @@ def repr_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], u
     finally:
         for h in handles:
             h.remove()
-    per_layer = total / len(pairs)
-    return torch.stack([per_layer[u.layer] for u in units])
+    return torch.stack([total[u.layer] for u in units]), len(pairs)
 
 
 def taylor(model: nn.Module, tokenizer, texts: Sequence[str], units: Sequence[Unit],  # noqa: ANN001
@@ -345,6 +359,13 @@ def magnitude(model: nn.Module, units: Sequence[Unit]) -> torch.Tensor:
 def block_influence(model: nn.Module, tokenizer, texts: Sequence[str], units: Sequence[Unit],  # noqa: ANN001
                     max_length: int = 128, progress: bool = True) -> torch.Tensor:
     """ShortGPT: mean over tokens of 1 - cos(h_in, h_out) of each block (low = redundant)."""
+    total, count = _influence_sums(model, tokenizer, texts, units, max_length, progress)
+    return total / count
+
+
+def _influence_sums(model: nn.Module, tokenizer, texts: Sequence[str], units: Sequence[Unit],  # noqa: ANN001
+                    max_length: int = 128, progress: bool = True) -> tuple[torch.Tensor, int]:
+    """`block_influence`'s per-unit sum over tokens and the number of tokens."""
     if any(u.kind != "block" for u in units):
         raise PipCoreError("block_influence scores whole blocks only; use unit kind 'block'")
     seqs = _encode(tokenizer, texts, max_length)
@@ -370,12 +391,18 @@ def block_influence(model: nn.Module, tokenizer, texts: Sequence[str], units: Se
     finally:
         for h in handles:
             h.remove()
-    per_layer = sums / count
-    return torch.stack([per_layer[u.layer] for u in units])
+    return torch.stack([sums[u.layer] for u in units]), count
 
 
 def removal_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
                    max_length: int = 128, progress: bool = True, form: str = "removal") -> torch.Tensor:
+    """PIP at the block level (see `_removal_sums`): the mean over pairs."""
+    total, count = _removal_sums(model, tokenizer, pairs, units, max_length, progress, form)
+    return total / count
+
+
+def _removal_sums(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
+                  max_length: int = 128, progress: bool = True, form: str = "removal") -> tuple[torch.Tensor, int]:
     """PIP at the block level: the first-order change of the loss gap L(s) - L(s~) when a block is removed.
 
     Removing block l replaces its output h_out by its input h_in, so to first order a view's loss moves
@@ -424,8 +451,7 @@ def removal_import(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]]
             h.remove()
         for p, flag in saved.items():
             p.requires_grad_(flag)
-    per_layer = total / len(pairs)
-    return torch.stack([per_layer[u.layer] for u in units])
+    return torch.stack([total[u.layer] for u in units]), len(pairs)
 
 
 def random_scores(units: Sequence[Unit], seed: int) -> torch.Tensor:
@@ -451,6 +477,13 @@ class CalibrationData:
         return list(self.texts) if self.texts is not None else [p[0] for p in self.pair_list]
 
 
+#: methods whose score is a sum over calibration examples divided by their count: partial sums over shards of the
+#: calibration set add up to the whole set's sums, so these score data-parallel (`score_sums` per shard, then
+#: `reduce_sums`). Taylor is not among them (|w * g| of the summed gradient is no sum of per-shard terms);
+#: random and magnitude read no data.
+SHARDABLE_METHODS = frozenset(m for m in METHODS if m.startswith("pip")) | {"block_influence"}
+
+
 def score(model: nn.Module, method: str, units: Sequence[Unit], data: CalibrationData = CalibrationData(), *,
           seed: int = 0, max_length: int = 128, progress: bool = True,
           gradient_checkpointing: bool = False) -> torch.Tensor:
@@ -460,6 +493,62 @@ def score(model: nn.Module, method: str, units: Sequence[Unit], data: Calibratio
     `gradient_checkpointing` recomputes each layer's activations during backward instead of
     storing them: same scores, activation memory of one layer instead of all (for large models).
     """
+    with _scoring_mode(model, method, units, seed, gradient_checkpointing):
+        if method == "random":
+            return random_scores(units, seed)
+        if method == "magnitude":
+            return magnitude(model, units)
+        if data.tokenizer is None:
+            raise PipCoreError(f"method {method!r} needs a tokenizer")
+        if method == "taylor":
+            return taylor(model, data.tokenizer, data.text_list, units, max_length, progress)
+        total, count = _sums(model, data, method, units, max_length, progress)
+        return total / count
+
+
+def score_sums(model: nn.Module, method: str, units: Sequence[Unit], data: CalibrationData, *, seed: int = 0,
+               max_length: int = 128, progress: bool = True,
+               gradient_checkpointing: bool = False) -> tuple[torch.Tensor, int]:
+    """One shard's share of `score`: the per-unit sums (float64) and how many examples (pairs, or tokens for
+    block influence) they sum over. `reduce_sums` of the shards' results is `score` of the whole set."""
+    if method not in SHARDABLE_METHODS:
+        raise PipCoreError(f"method {method!r} does not split over calibration shards; use one of "
+                           f"{', '.join(sorted(SHARDABLE_METHODS))}, or score in one process")
+    with _scoring_mode(model, method, units, seed, gradient_checkpointing):
+        return _sums(model, data, method, units, max_length, progress)
+
+
+def reduce_sums(partials: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The scores of the whole calibration set from its shards' (sums, count): sum of sums / sum of counts."""
+    if not partials:
+        raise PipCoreError("no shard results to reduce")
+    total = torch.zeros_like(partials[0][0], dtype=torch.float64)
+    for sums, _ in partials:
+        if sums.shape != total.shape:
+            raise PipCoreError(f"shards scored different units: {tuple(sums.shape)} vs {tuple(total.shape)}")
+        total += sums.double()
+    return total / sum(count for _, count in partials)
+
+
+def _sums(model: nn.Module, data: CalibrationData, method: str, units: Sequence[Unit], max_length: int,
+          progress: bool) -> tuple[torch.Tensor, int]:
+    tokenizer, pairs = data.tokenizer, data.pair_list
+    if method == "block_influence":
+        return _influence_sums(model, tokenizer, data.text_list, units, max_length, progress)
+    kinds = {u.kind for u in units}
+    form = (default_form("block" if kinds == {"block"} else "width") if method == "pip"
+            else method.removeprefix("pip_"))
+    if form in REPR_FORMS:
+        return _repr_sums(model, tokenizer, pairs, units, max_length, progress, form)
+    if form in REMOVAL_FORMS:
+        return _removal_sums(model, tokenizer, pairs, units, max_length, progress, form)
+    return _pert_sums(model, tokenizer, pairs, units, max_length, progress, form)
+
+
+@contextmanager
+def _scoring_mode(model: nn.Module, method: str, units: Sequence[Unit], seed: int,
+                  gradient_checkpointing: bool) -> Iterator[None]:
+    """Checks, eval mode (or checkpointing's dropout-free train mode) and the seed, restored afterwards."""
     if method not in METHODS:
         raise PipCoreError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
     check_supported(model)
@@ -470,25 +559,6 @@ def score(model: nn.Module, method: str, units: Sequence[Unit], data: Calibratio
     torch.manual_seed(seed)
     try:
         with activation_checkpointing(model, gradient_checkpointing):
-            if method == "random":
-                return random_scores(units, seed)
-            if method == "magnitude":
-                return magnitude(model, units)
-            tokenizer, pairs = data.tokenizer, data.pair_list
-            if tokenizer is None:
-                raise PipCoreError(f"method {method!r} needs a tokenizer")
-            if method.startswith("pip"):
-                kinds = {u.kind for u in units}
-                form = (default_form("block" if kinds == {"block"} else "width") if method == "pip"
-                        else method.removeprefix("pip_"))
-                if form in REPR_FORMS:
-                    return repr_import(model, tokenizer, pairs, units, max_length, progress, form)
-                if form in REMOVAL_FORMS:
-                    return removal_import(model, tokenizer, pairs, units, max_length, progress, form)
-                return pert_import(model, tokenizer, pairs, units, max_length, progress, form)
-            calib = data.text_list
-            if method == "taylor":
-                return taylor(model, tokenizer, calib, units, max_length, progress)
-            return block_influence(model, tokenizer, calib, units, max_length, progress)
+            yield
     finally:
         model.train(was_training)

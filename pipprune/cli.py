@@ -21,6 +21,7 @@ from pipprune.commands import promote as promote_cmd
 from pipprune.commands import reference as reference_cmd
 from pipprune.commands import schedule as schedule_cmd
 from pipprune.commands import stack as stack_cmd
+from pipprune.commands import sweep as sweep_cmd
 from pipprune.commands.common import (
     BAD_INPUT,
     FAILED,
@@ -40,6 +41,7 @@ app.command("compress")(compress_cmd.compress)
 app.command("eval")(evaluate_cmd.eval_cmd)
 app.command("plan")(plan_cmd.plan_cmd)
 app.command("schedule")(schedule_cmd.schedule)
+app.command("sweep")(sweep_cmd.sweep)
 
 
 @app.callback()

@@ -112,7 +112,7 @@ def resolve_parent(name: str, version: str) -> ParentRef:
     source_fp = core_io.model_fingerprint(source)
     if source_fp != tags.get(SOURCE_FINGERPRINT):
         raise LineageError(f"dense source {source} has fingerprint {source_fp[:12]}, the version was pruned from "
-                           f"{tags.get('pipprune.source_fingerprint', '')[:12]}: not the same model")
+                           f"{tags.get(SOURCE_FINGERPRINT, '')[:12]}: not the same model")
     dense = ModelRef(local_dir=str(source), fingerprint=source_fp, num_params=core_io.param_count_from_dir(source))
     return ParentRef(name=name, version=str(mv.version), run_id=mv.run_id or "", model=model, dense=dense, tags=tags)
 
@@ -292,6 +292,6 @@ def register_gguf(name: str, parent: ParentRef, tags: dict[str, str], metrics: d
         raise
     version = client.create_model_version(
         name, source=tags[S3_URI], run_id=run_id, tags={**tags, MLFLOW_RUN_ID: run_id},
-        description=f"GGUF ({tags[TAGS['quant']]}) of {parent.name} v{parent.version}: {tags['pipprune.s3_uri']}")
+        description=f"GGUF ({tags[TAGS['quant']]}) of {parent.name} v{parent.version}: {tags[S3_URI]}")
     log.info("registered %s version %s (GGUF of %s v%s)", name, version.version, parent.name, parent.version)
     return str(version.version), run_id

@@ -80,7 +80,7 @@ def register_model(name: str, model: ModelRef, run_id: str, tags: dict[str, str]
     client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])  # the run page lists it
     tags[LOGGED_MODEL_ID] = logged.model_id
     version = client.create_model_version(name, source=root, run_id=run_id, model_id=logged.model_id, tags=tags,
-                                          description=f"pipprune run {tags['pipprune.run_key']}; weights and MLmodel "
+                                          description=f"pipprune run {tags[RUN_KEY]}; weights and MLmodel "
                                                       f"at {root}")
     log.info("registered %s version %s (MLflow model at %s)", name, version.version, root)
     return str(version.version)

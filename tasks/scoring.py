@@ -26,6 +26,7 @@ from pip_core import units as core_units
 from pip_core.importance import CalibrationData
 from pip_core.schedule import ScoringOptions, StepSpec
 from pip_core.vocabulary import UnitKind
+from tasks import parallel_scoring
 from tasks._common import key_from
 from tasks.calibration import read_pairs
 from tasks.models import load_model, placement_for
@@ -78,8 +79,11 @@ def score_units(model: ModelRef, calib: CalibrationRef, scoring: ScoringSettings
     started = time.perf_counter()
     pairs = read_pairs(calib)
     options = scoring_options(scoring, max_length, placement.gradient_checkpointing)
-    found, scores = schedule.score_step(net, CalibrationData(tokenizer, pairs, texts=[original for original, _ in pairs]),
-                                        spec, options)
+    if parallel_scoring.wants_cluster(runtime, scoring.method):  # data-parallel over Dask workers: same scores
+        found, scores = parallel_scoring.score_on_cluster(model, pairs, spec, options, runtime)
+    else:
+        found, scores = schedule.score_step(
+            net, CalibrationData(tokenizer, pairs, texts=[original for original, _ in pairs]), spec, options)
     seconds = time.perf_counter() - started
     out = Settings().work_dir / "stats" / model.fingerprint[:16] / \
         f"{scoring.method}-{scoring.unit}-{calib.data_hash[:12]}-s{spec.seed}"
