@@ -44,6 +44,21 @@ def capture(url: str, out: Path, timeout: float = 180) -> Path:
     return out
 
 
+def run_url(tracking_uri: str, run_id: str, artifact: str | None = None) -> str:
+    """The MLflow UI's page of a run (or of one of its artifacts), in the classic machine-learning view."""
+    from mlflow import MlflowClient
+
+    run = MlflowClient(tracking_uri).get_run(run_id)
+    base = f"{tracking_uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+    view = "?workflowType=machine_learning"  # a fresh browser profile opens MLflow's UI in GenAI mode
+    return f"{base}/artifacts/{artifact}{view}" if artifact else base + view
+
+
+def screenshot_artifact(tracking_uri: str, run_id: str, artifact: str, out: Path) -> Path:
+    """One artifact of a run as the MLflow UI shows it (a sweep's Pareto plot, for the README)."""
+    return capture(run_url(tracking_uri, run_id, artifact), Path(out))
+
+
 def screenshot_run(tracking_uri: str, run_id: str, out_dir: Path) -> dict[str, Path]:
     """The run page, the quality curve and the last step's unit scores, as shown by the MLflow UI."""
     from mlflow import MlflowClient

@@ -61,4 +61,11 @@ children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` =
 print(f"parent run {parent.info.run_id}: {len(children)} child runs; metrics {parent.data.metrics}")
 print("artifacts:", [a.path for a in client.list_artifacts(parent.info.run_id, "sweep")])
 client.download_artifacts(parent.info.run_id, "sweep", sys.argv[1])
+# the Pareto plot as the MLflow UI shows it, in a real (headless) browser, when Chromium is installed
+from infra.screenshots import chromium_binary, screenshot_artifact
+if chromium_binary():
+    import os, pathlib
+    out = pathlib.Path(os.environ.get("PIPPRUNE_DOCS_DIR") or sys.argv[1]) / "mlflow_sweep_pareto.png"
+    print("screenshot:", screenshot_artifact(os.environ["MLFLOW_TRACKING_URI"], parent.info.run_id,
+                                             "sweep/pareto.png", out))
 PY
