@@ -43,11 +43,10 @@ def calibration_pairs(tiny_reference_dir, tmp_path_factory):
     import os
 
     os.environ.setdefault("PIPPRUNE_HOME", str(tmp_path_factory.mktemp("home")))
-    from infra.calibration import CalibrationSource
     from tasks.calibration import prepare_calibration, read_pairs
 
     settings = CalibrationSettings(source=str(tiny_reference_dir), n_samples=12, heldout_samples=2)
-    ref = prepare_calibration.fn(settings, 0, CalibrationSource(settings.source, settings.wordlist).digest())
+    ref = prepare_calibration.fn(settings, 0)
     return read_pairs(ref)
 
 
@@ -80,21 +79,20 @@ def test_score_units_task_spreads_over_workers_when_the_runtime_asks(tiny_refere
     import json
     from pathlib import Path
 
-    from infra.calibration import CalibrationSource
     from pip_core.schedule import StepSpec
     from tasks.calibration import prepare_calibration
     from tasks.scoring import score_units
 
-    settings = CalibrationSettings(source=str(tiny_reference_dir), n_samples=12, heldout_samples=2)
-    calib = prepare_calibration.fn(settings, 0, CalibrationSource(settings.source, settings.wordlist).digest())
+    settings = CalibrationSettings(source=str(tiny_reference_dir), n_samples=12, heldout_samples=2, max_length=64)
+    calib = prepare_calibration.fn(settings, 0)
     ref = ModelRef(local_dir=str(tiny_reference_dir), fingerprint=io.model_fingerprint(tiny_reference_dir),
                    num_params=io.param_count_from_dir(tiny_reference_dir))
     spec = StepSpec(step=1, target_ratio=0.2, params_to_remove=int(0.2 * ref.num_params), seed=0)
     scoring = ScoringSettings(unit="block", method="pip")
-    one = score_units.fn(ref, calib, scoring, spec, 64, RuntimeSettings(device="cpu", dtype="float32"))
+    one = score_units.fn(ref, calib, scoring, spec, RuntimeSettings(device="cpu", dtype="float32"))
     rows_one = json.loads(Path(one.path).read_text())
-    two = score_units.fn(ref, calib, scoring, spec, 64, RuntimeSettings(device="cpu", dtype="float32",
-                                                                         scoring_workers=2))
+    two = score_units.fn(ref, calib, scoring, spec, RuntimeSettings(device="cpu", dtype="float32",
+                                                                     scoring_workers=2))
     rows_two = json.loads(Path(two.path).read_text())
     assert [r["unit_id"] for r in rows_two] == [r["unit_id"] for r in rows_one]
     assert [r["score"] for r in rows_two] == pytest.approx([r["score"] for r in rows_one], rel=1e-9)
