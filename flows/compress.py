@@ -85,6 +85,7 @@ def _measure_dense(run: records.RunContext) -> records.DenseFigures:
     lm_eval = evaluate(run.source.model, ev.tasks, ev.include_path, tasks_digest(ev.include_path), ev.limit, rt)
     serving = measure_serving(run.source.model, run.calib, config.serving, rt)
     samples = generate_samples(run.source.model, ev.prompts, ev.new_tokens, rt)
+    run.memory.between_stages()
     stage(f"dense model measured: {records.describe_figures(before, lm_eval.results)}")
     return records.DenseFigures(heldout=before, lm_eval=lm_eval, serving=serving, samples=samples)
 
@@ -109,6 +110,7 @@ def _prune_steps(run: records.RunContext, budget: BudgetRef,
         history.append(records.history_row(i, model, metrics))
         log_iteration(run.run_id, i, metrics, selection.table_path, list(selection.units), history)
         progress.step(i, stats.n_units, len(selection.units), total, model.num_params)
+        run.memory.between_stages()
     return model, history, done
 
 
@@ -146,7 +148,7 @@ def _finish(run: records.RunContext, model: ModelRef, budget: BudgetRef, dense: 
     samples = log_samples(run.run_id, records.sample_rows(ev.prompts, dense.samples,
                                                           generate_samples(model, ev.prompts, ev.new_tokens, rt)))
     verdict = records.quality_verdict(ev, records.heldout(history[-1]))
-    provenance = eval_provenance(run.source.model, run.calib, final_eval, dense.lm_eval)
+    provenance = eval_provenance(model, run.calib, final_eval, dense.lm_eval)
     log_eval_provenance(run.run_id, provenance)
     budget_tags = log_budget(run.run_id, budget, model, run.source.model.num_params)
     signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3

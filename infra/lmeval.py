@@ -14,6 +14,19 @@ log = logging.getLogger(__name__)
 
 #: lm-eval reports stderr next to each metric; we keep the metrics
 _SKIP_SUFFIX = "_stderr"
+#: lm-eval holds a batch's float32 logits and their log-softmax at once; items are sized at this many tokens
+_ITEM_TOKENS = 64
+
+
+def batch_size_for(model) -> int:  # noqa: ANN001 (a transformers model)
+    """lm-eval's batch: 2 to 8 items, as many as keep one batch's logits within an eighth of the weights.
+
+    At 8 items the logits of SmolLM2-135M (49k vocabulary) made the final evaluation the run's peak;
+    an 8B model still gets 8.
+    """
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_item = 2 * 4 * _ITEM_TOKENS * int(model.config.vocab_size)  # logits and log-softmax, float32
+    return max(2, min(8, weights // 8 // max(per_item, 1)))
 
 
 def unknown_tasks(tasks: list[str], include_path: str | Path | None = None) -> list[str]:
@@ -35,7 +48,7 @@ def unknown_tasks(tasks: list[str], include_path: str | Path | None = None) -> l
 
 
 def run_lmeval(model_dir: Path, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
-               batch_size: int = 8, device: str | None = None, dtype: str = "auto",
+               batch_size: int | None = None, device: str | None = None, dtype: str = "auto",
                loaded: tuple | None = None) -> dict[str, dict[str, float]]:
     """Evaluate `tasks` on the model in `model_dir`; returns {task: {metric: value}}.
 
@@ -46,7 +59,7 @@ def run_lmeval(model_dir: Path, tasks: list[str], include_path: Path | None = No
 
 
 def run_lmeval_recorded(model_dir: Path, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
-                        batch_size: int = 8, device: str | None = None, dtype: str = "auto",
+                        batch_size: int | None = None, device: str | None = None, dtype: str = "auto",
                         loaded: tuple | None = None) -> tuple[dict[str, dict[str, float]], dict]:
     """`run_lmeval` plus the provenance of its figures (infra.eval_provenance.lmeval_record), read off the run itself."""
     from lm_eval import simple_evaluate
@@ -66,6 +79,7 @@ def run_lmeval_recorded(model_dir: Path, tasks: list[str], include_path: Path | 
     if unknown:
         raise ValueError(f"unknown lm-eval task(s) {unknown}" + (f" in {include_path}" if include_path else ""))
     model, tokenizer = loaded or core_io.load(model_dir, dtype=dtype, device=device)
+    batch_size = batch_size or batch_size_for(model)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, device=device)
     results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, bootstrap_iters=0,
                               log_samples=False, verbosity="WARNING")

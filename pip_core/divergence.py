@@ -3,7 +3,9 @@
 Mean per-token KL(dense || pruned), top-1 agreement and the perplexity ratio move with every
 change of the model, unlike accuracy on tasks a small model answers at chance. Both models run
 once per document; the vocabulary projection is applied `chunk_tokens` positions at a time, so
-at most [chunk_tokens x vocab] logits of each model exist at once (never [tokens x vocab]).
+at most [chunk_tokens x vocab] logits of each model exist at once (never [tokens x vocab]). By
+default a slice holds SLICE_BYTES of float32 logits: the KL of one slice makes about five tensors
+of its size, and on SmolLM2-135M whole 128-token slices made the quick eval the run's peak.
 Per-document sums are kept so intervals can be bootstrapped over documents (pip_core.bootstrap).
 """
 
@@ -22,6 +24,14 @@ from pip_core.errors import PipCoreError
 
 #: per-document sums kept for every document (all per predicted token)
 FIELDS = ("kl", "agree", "nll_dense", "nll_pruned", "tokens")
+#: float32 logits of one slice at most (8 MiB: 42 positions of a 49k vocabulary, 16 of a 128k one)
+SLICE_BYTES = 8 * 2**20
+MIN_SLICE_TOKENS = 8
+
+
+def slice_tokens(vocab: int) -> int:
+    """Positions per slice for a vocabulary of `vocab`: one slice of float32 logits within SLICE_BYTES."""
+    return max(MIN_SLICE_TOKENS, SLICE_BYTES // (4 * max(vocab, 1)))
 
 
 @dataclass(frozen=True)
@@ -99,9 +109,12 @@ class CachedDense:
     @classmethod
     @torch.no_grad()
     def build(cls, dense: nn.Module, tokenizer, texts: Sequence[str], max_length: int,  # noqa: ANN001
-              folder: Path, chunk_tokens: int = 128) -> CachedDense:
-        """Write the cache into `folder` (via a private sibling renamed into place: never half-written)."""
-        import io
+              folder: Path, chunk_tokens: int | None = None) -> CachedDense:
+        """Write the cache into `folder` (via a private sibling renamed into place: never half-written).
+
+        Each document's file is a .npy array written one slice at a time, so no [tokens x vocab]
+        tensor is ever held (plain writes, not a memory map: a full disk says "No space left").
+        """
         import shutil
         import tempfile
 
@@ -111,17 +124,20 @@ class CachedDense:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
         base, head, cap = _hidden_and_head(dense)
+        chunk_tokens = chunk_tokens or slice_tokens(dense.config.vocab_size)
         mode = dense.training
         dense.eval()
         try:
             seqs = encode(tokenizer, texts, max_length)
             for i, ids in enumerate(seqs):
                 hidden = base(input_ids=ids.unsqueeze(0).to(next(dense.parameters()).device)).last_hidden_state[0, :-1]
-                rows = [torch.log_softmax(_logits(head, hidden[s:s + chunk_tokens], cap), -1).cpu()
-                        for s in range(0, hidden.shape[0], chunk_tokens)]
-                buffer = io.BytesIO()  # written by Python, not numpy's tofile: a full disk says "No space left"
-                np.save(buffer, torch.cat(rows).numpy(), allow_pickle=False)
-                (tmp / f"doc-{i:05d}.npy").write_bytes(buffer.getvalue())
+                with (tmp / f"doc-{i:05d}.npy").open("wb") as fh:
+                    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)), "fortran_order": False,
+                              "shape": (hidden.shape[0], head.weight.shape[0])}
+                    np.lib.format.write_array_header_1_0(fh, header)
+                    for s in range(0, hidden.shape[0], chunk_tokens):
+                        logp = torch.log_softmax(_logits(head, hidden[s:s + chunk_tokens], cap), -1)
+                        fh.write(logp.cpu().numpy().astype(np.float32, copy=False).tobytes())
             (tmp / "meta.json").write_text(json.dumps({"vocab_size": dense.config.vocab_size,
                                                        "ids": [s.tolist() for s in seqs]}))
             try:
@@ -133,22 +149,36 @@ class CachedDense:
             shutil.rmtree(tmp, ignore_errors=True)
         return cls(folder)
 
-    def logprobs(self, i: int, ids: torch.Tensor) -> torch.Tensor:
-        """[tokens - 1, vocab] log-probabilities of document `i`, made for exactly these token ids."""
+    def logprobs(self, i: int, ids: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """[tokens - 1, vocab] log-probabilities of document `i` (or its `rows`), made for exactly these token ids.
+
+        Only the rows asked for are read from the file (a seek past the others), never the whole document.
+        """
         import numpy as np
 
         if ids.tolist() != self.ids[i]:
             raise PipCoreError(f"dense log-probability cache {self.folder} was made for other tokens of document {i}")
-        return torch.from_numpy(np.load(self.folder / f"doc-{i:05d}.npy", allow_pickle=False))
+        with (self.folder / f"doc-{i:05d}.npy").open("rb") as fh:
+            major, _ = np.lib.format.read_magic(fh)
+            read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read_header(fh)
+            if fortran or dtype != np.float32 or len(shape) != 2:
+                raise PipCoreError(f"dense log-probability cache {self.folder} doc {i}: unexpected array {shape} {dtype}")
+            start, stop, _ = (rows or slice(None)).indices(shape[0])
+            fh.seek(start * shape[1] * 4, 1)
+            data = fh.read(max(stop - start, 0) * shape[1] * 4)
+        return torch.from_numpy(np.frombuffer(data, dtype=np.float32).reshape(-1, shape[1]).copy())
 
 
 @torch.no_grad()
 def doc_stats(dense: nn.Module | CachedDense, pruned: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN001
-              max_length: int = 256, chunk_tokens: int = 128) -> DocStats:
+              max_length: int = 256, chunk_tokens: int | None = None) -> DocStats:
     """Per-document KL(dense || pruned), top-1 agreements and both NLLs, summed over predicted tokens.
 
-    `dense` is the dense model itself or its log-probabilities cached on disk (`CachedDense`).
+    `dense` is the dense model itself or its log-probabilities cached on disk (`CachedDense`);
+    `chunk_tokens` defaults to `slice_tokens` of the vocabulary.
     """
+    chunk_tokens = slice_tokens(pruned.config.vocab_size) if chunk_tokens is None else chunk_tokens
     if chunk_tokens < 1:
         raise PipCoreError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     cached = dense if isinstance(dense, CachedDense) else None
@@ -168,14 +198,13 @@ def doc_stats(dense: nn.Module | CachedDense, pruned: nn.Module, tokenizer, text
             for model, base, _, _ in parts:
                 x = ids.unsqueeze(0).to(next(model.parameters()).device)
                 hidden.append(base(input_ids=x).last_hidden_state[0, :-1])
-            dense_logp = cached.logprobs(i, ids) if cached else None
             target = ids[1:]
             sums = torch.zeros(4, dtype=torch.float64)
             for start in range(0, target.numel(), chunk_tokens):
                 sl = slice(start, start + chunk_tokens)
                 *_, (_, _, head_p, cap_p) = parts
                 logp_p = torch.log_softmax(_logits(head_p, hidden[-1][sl], cap_p), -1)
-                logp_d = (dense_logp[sl].to(logp_p.device) if cached else
+                logp_d = (cached.logprobs(i, ids, sl).to(logp_p.device) if cached else
                           torch.log_softmax(_logits(parts[0][2], hidden[0][sl], parts[0][3]), -1))
                 logp_p = logp_p.to(logp_d.device)
                 t = target[sl].to(logp_d.device).unsqueeze(-1)
@@ -194,7 +223,7 @@ def doc_stats(dense: nn.Module | CachedDense, pruned: nn.Module, tokenizer, text
 
 
 def divergence(dense: nn.Module | CachedDense, pruned: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN001
-               max_length: int = 256, chunk_tokens: int = 128) -> dict[str, float]:
+               max_length: int = 256, chunk_tokens: int | None = None) -> dict[str, float]:
     """Mean per-token KL(dense || pruned), top-1 agreement and perplexity ratio (pruned / dense)."""
     return doc_stats(dense, pruned, tokenizer, texts, max_length, chunk_tokens).metrics()
 

@@ -99,6 +99,11 @@ class ModelHandoff:
         with self._lock:
             self._slots[role] = (fingerprint, net, tokenizer)
 
+    def drop(self, role: str) -> None:
+        """Forget the model in `role`, so its memory can go before another model is read in its place."""
+        with self._lock:
+            self._slots.pop(role, None)
+
 
 #: one per process: the flow's tasks run in the flow's process (Prefect's default thread runner)
 HANDOFF = ModelHandoff()
@@ -135,6 +140,8 @@ def load_model(ref: ModelRef, runtime: RuntimeSettings | None = None, *, for_upd
     held = HANDOFF.get(ref.fingerprint, take=for_update)
     if held is not None:
         return held
+    if not (keep_slot or transient):  # what is read now becomes the model in hand: the one it replaces goes first
+        HANDOFF.drop("working")  # (a resumed run read the dense model, then its checkpoint: two models at once)
     runtime = runtime or RuntimeSettings()
     placement = placement_for(ref, runtime, seq_len)
     net, tokenizer = core_io.load(ensure_local(ref), dtype=placement.dtype, device=placement.device,

@@ -34,12 +34,19 @@ def builder_digest() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_reference_dir() -> Path:
-    """Path to a built `tiny` reference model (about two minutes the first time), reused across runs."""
+    """Path to a built `tiny` reference model (about two minutes the first time), reused across runs.
+
+    Built under a file lock: with `pytest -n 2` both workers ask for it at once, and one builds while the other waits.
+    """
+    from filelock import FileLock
+
     from infra.reference.build import build_reference
 
     out = ROOT / ".pipprune" / "test-cache" / f"tiny-{builder_digest()}"
-    if not (out / "manifest.json").is_file():
-        build_reference("tiny", out, ROOT / ".pipprune" / "cache", seed=0, progress=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "manifest.json").is_file():
+            build_reference("tiny", out, ROOT / ".pipprune" / "cache", seed=0, progress=False)
     return out
 
 

@@ -288,10 +288,17 @@ def _registered_versions(env: dict[str, str], name: str) -> int:
     return len(client.search_model_versions(f"name='{name}'"))
 
 
+#: the CLI end to end for the families whose layout differs most from the tiny reference's own llama (every other
+#: CLI test runs llama): phi3's fused qkv/gate_up slots, gemma3_text's layer_types and independent head size.
+#: Every family's compress, save and stock-class reload runs in process above (test_uniform_compress_saves_...);
+#: the flow around it (tracking, S3, registration) does not depend on the family.
+CLI_FAMILIES = ("phi3", "gemma3_text")
+
+
 @pytest.mark.slow
 @pytest.mark.stack
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_cli_compress_width_uniform_for_each_family(stack_env, tiny_reference_dir, tmp_path, model_type):
+@pytest.mark.parametrize("model_type", CLI_FAMILIES)
+def test_cli_compress_width_uniform_on_the_most_distinct_families(stack_env, tiny_reference_dir, tmp_path, model_type):
     from tests.helpers import cli
 
     source = _family_dir(model_type, tiny_reference_dir, tmp_path / "src")

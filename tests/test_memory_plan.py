@@ -44,3 +44,18 @@ def test_checkpointing_reduces_activations_and_dtype_is_checked():
     assert full.peak_scoring > full.weights
     with pytest.raises(ValueError, match="dtype"):
         plan_memory(config, dtype="int3")
+
+
+def test_lmeval_batch_keeps_its_logits_within_an_eighth_of_the_weights():
+    """SmolLM2-135M's shape (49k vocabulary, 538 MB fp32) gets 2 items a batch, an 8B-shaped model 8."""
+    from infra.lmeval import batch_size_for
+
+    def on_meta(dtype: torch.dtype, **shape: int) -> LlamaForCausalLM:
+        with torch.device("meta"):
+            return LlamaForCausalLM(LlamaConfig(**shape)).to(dtype)
+
+    small = on_meta(torch.float32, vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    large = on_meta(torch.bfloat16, vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8)
+    assert batch_size_for(small) == 2 and batch_size_for(large) == 8
