@@ -53,8 +53,11 @@ demo: install data
 lint: install
 	$(BIN)/ruff check .
 
+# Two pytest workers (pytest-xdist): most tests wait on servers and subprocesses, so two share the 2 cores
+# well; each worker starts its own stack, and torch runs one thread per process so they do not oversubscribe.
+TEST_WORKERS ?= 2
 test: install data lint
-	$(BIN)/python -m pytest -q -x --timeout=900 --durations=25
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 -n $(TEST_WORKERS) --dist load
 
 # The inner loop: pure unit tests (no servers, no reference model build), slowest printed.
 test-fast: install

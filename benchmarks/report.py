@@ -245,7 +245,7 @@ NOTES = """## What the KL tables say (figures in the tables below; verdicts in t
   ShortGPT block influence: both remove the same blocks) and within 1% of Taylor for width.
   With only 4 unprotected blocks, block methods often choose the same set.
 - **Peak memory.** The causal-LM loss runs through the LM head in slices of the sequence
-  (pip_core.chunked_loss; a slice holds at most 64 MiB and 1/16 of the head's bytes of float32
+  (pip_core.chunked_loss; a slice holds at most 64 MiB and 1/32 of the head's bytes of float32
   logits, recomputed in backward), so the logits of both views no longer dominate small models or
   128k vocabularies. Peak RSS is an upper bound (allocator caches count).
 - **Orchestration overhead.** Met on the small reference since the model is handed from task to

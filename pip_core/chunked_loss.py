@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 #: float32 logits of one slice (all rows) at most: 64 MiB is 64 positions of a pair at a 128k vocabulary
 LOGITS_SLICE_BYTES = 64 * 2**20
 #: a slice's backward holds about four slices' worth (logits recomputed, log-softmax, both gradients): the
-#: slice is kept to 1/16 of the LM head's bytes, so that burst stays within a quarter of the head
-HEAD_FRACTION = 16
+#: slice is kept to 1/32 of the LM head's bytes, so that burst stays within an eighth of the head
+HEAD_FRACTION = 32
 MIN_CHUNK_TOKENS = 16
 #: fixed positions per slice instead of the byte budget (None: from the budget)
 DEFAULT_CHUNK_TOKENS: int | None = None

@@ -24,8 +24,8 @@ from pip_core.errors import PipCoreError
 
 #: per-document sums kept for every document (all per predicted token)
 FIELDS = ("kl", "agree", "nll_dense", "nll_pruned", "tokens")
-#: float32 logits of one slice at most (8 MiB: 42 positions of a 49k vocabulary, 16 of a 128k one)
-SLICE_BYTES = 8 * 2**20
+#: float32 logits of one slice at most (4 MiB: 21 positions of a 49k vocabulary, 8 of a 128k one)
+SLICE_BYTES = 4 * 2**20
 MIN_SLICE_TOKENS = 8
 
 
