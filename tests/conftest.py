@@ -32,22 +32,42 @@ def builder_digest() -> str:
     return h.hexdigest()[:16]
 
 
-@pytest.fixture(scope="session")
-def tiny_reference_dir() -> Path:
-    """Path to a built `tiny` reference model (about two minutes the first time), reused across runs.
-
-    Built under a file lock: with `pytest -n 2` both workers ask for it at once, and one builds while the other waits.
-    """
+def _tiny_reference(threads: int | None = None) -> Path:
+    """The built `tiny` reference (about two minutes the first time), under a file lock: one process builds it,
+    any other waits for it. `threads`: torch threads for the build (the test processes run one each)."""
     from filelock import FileLock
-
-    from infra.reference.build import build_reference
 
     out = ROOT / ".pipprune" / "test-cache" / f"tiny-{builder_digest()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
         if not (out / "manifest.json").is_file():
-            build_reference("tiny", out, ROOT / ".pipprune" / "cache", seed=0, progress=False)
+            import torch
+
+            from infra.reference.build import build_reference
+
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads or before)
+            try:
+                build_reference("tiny", out, ROOT / ".pipprune" / "cache", seed=0, progress=False)
+            finally:
+                torch.set_num_threads(before)
     return out
+
+
+def pytest_configure(config) -> None:
+    """With pytest-xdist workers, the controller builds the tiny reference with every core before the workers
+    start: otherwise one worker builds it on one thread while the other waits on the lock (138 s each measured)."""
+    workers = getattr(config.option, "numprocesses", None)
+    is_worker = hasattr(config, "workerinput")
+    wants_models = "not slow" not in (config.getoption("markexpr", "") or "")
+    if workers and not is_worker and wants_models and not config.option.collectonly:
+        _tiny_reference(threads=os.cpu_count())
+
+
+@pytest.fixture(scope="session")
+def tiny_reference_dir() -> Path:
+    """Path to a built `tiny` reference model, reused across runs (see `_tiny_reference`)."""
+    return _tiny_reference()
 
 
 def pytest_collection_modifyitems(config, items) -> None:
