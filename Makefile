@@ -118,6 +118,22 @@ bench: install data
 	$(BIN)/python -m benchmarks.recovery --compare --model $(REF_TINY)
 	$(BIN)/python -m benchmarks.report
 
+# The real-model grid of the quality issue (SmolLM2-135M-Instruct, 32 pairs, 2 steps, both held-out sets): every
+# finished run is appended to REAL_RUNS (committed), so the grid resumes where it stopped, over several sessions.
+REAL_RUNS ?= benchmarks/results/runs/smollm2.jsonl
+REAL_SEEDS ?= 0,1,2
+REAL_DIV = $(BIN)/python -m benchmarks.divergence --model $(REF_REAL) --pairs 32 --iterations 2 --threads 2 \
+	--heldout persuasion,wordnet --resume $(REAL_RUNS)
+.PHONY: bench-real
+bench-real: install data
+	$(BIN)/pipprune reference build --size smollm2-135m --out $(REF_REAL)
+	mkdir -p $(dir $(REAL_RUNS))
+	$(REAL_DIV) --units width --ratios 0.2 --seeds $(REAL_SEEDS) \
+		--methods pip_l2,pip_first_order,pip_single_view,random,magnitude,taylor --name divergence_smollm2_width
+	$(REAL_DIV) --units block --ratios 0.2 --seeds $(REAL_SEEDS) --methods \
+		pip_l2,pip_first_order,pip_removal,pip_single_view,pip_removal_single_view,random,magnitude,taylor,block_influence \
+		--name divergence_smollm2_block
+
 # External peer (Torch-Pruning) in its own venv: torch-pruning 1.6.x hangs on GQA Llama
 # (VainF/Torch-Pruning#527) and its LLM example targets transformers 4.x; pipprune needs >= 4.56.
 PEER := .venv-peer

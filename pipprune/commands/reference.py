@@ -44,6 +44,10 @@ def build(
 
     mode = progress.choose_mode(False, sys.stderr.isatty())  # a bar on a terminal, one line per 5% in a log
     progress.configure(mode)
+    if mode != "bar":  # transformers' own bars (GGUF dequantization, weight loading) ignore TQDM_DISABLE
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from infra.gguf_source import GgufError
     from infra.reference.build import OutputInUse, build_reference
