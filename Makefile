@@ -55,9 +55,10 @@ lint: install
 
 # Two pytest workers (pytest-xdist): most tests wait on servers and subprocesses, so two share the 2 cores
 # well; each worker starts its own stack, and torch runs one thread per process so they do not oversubscribe.
+# --dist loadfile: a module's tests stay together, in order, on one worker (module fixtures are built once).
 TEST_WORKERS ?= 2
 test: install data lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 -n $(TEST_WORKERS) --dist load
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 # The inner loop: pure unit tests (no servers, no reference model build), slowest printed.
 test-fast: install

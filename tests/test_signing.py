@@ -96,15 +96,19 @@ def test_export_public_prints_the_key_or_names_the_missing_one(tmp_path):
 # ------------------------------------------------------------------------------ the real stack
 @pytest.fixture(scope="module")
 def env(local_stack, tmp_path_factory):
+    """The client environment, with this module's own bucket made (every test here may run first)."""
     stack, _settings = local_stack
-    return {**os.environ, **stack.client_env(), "PIPPRUNE_HOME": str(tmp_path_factory.mktemp("sign-home")),
-            "PIPPRUNE_S3_BUCKET": BUCKET}
+    env = {**os.environ, **stack.client_env(), "PIPPRUNE_HOME": str(tmp_path_factory.mktemp("sign-home")),
+           "PIPPRUNE_S3_BUCKET": BUCKET}
+    s3 = s3_of(env)
+    if BUCKET not in {b["Name"] for b in s3.list_buckets().get("Buckets", [])}:
+        s3.create_bucket(Bucket=BUCKET)
+    return env
 
 
 @pytest.fixture(scope="module")
 def signed(env, tiny_reference_dir, tmp_path_factory):
     """One compress run (1 step, tiny); yields its summary, the version's tags and the exported public key."""
-    s3_of(env).create_bucket(Bucket=BUCKET)
     done = cli(env, "compress", "--model", str(tiny_reference_dir), "--ratio", "0.2", "--unit", "block",
                "--iterations", "1", "--n-samples", "4", "--tasks", "pipprune_wordnet_cloze", "--include-path",
                str(tiny_reference_dir / "tasks"), "--eval-limit", "10", "--name", NAME, "--json")
