@@ -51,7 +51,14 @@ def key_from(*param_names: str) -> Callable[[TaskRunContext, dict[str, Any]], st
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True for network/server faults worth retrying; False for bad input and bugs."""
+    """True for network/server faults worth retrying; False for bad input and bugs.
+
+    A wrapper is judged by what it wraps: boto3's `upload_file` turns an S3 500 ("InternalError", seen
+    from SeaweedFS under load) into an `S3UploadFailedError` raised while handling the ClientError.
+    """
+    inner = exc.__cause__ or exc.__context__
+    if inner is not None and inner is not exc and is_transient(inner):
+        return True
     try:
         import botocore.exceptions as bce
     except ImportError:  # pragma: no cover - boto3 is a dependency

@@ -179,3 +179,24 @@ def _prefect_params_and_logs(env: dict[str, str], flow_run_id: str) -> list[str]
         found = asyncio.run(read())
     assert len(found) > 1, "no Prefect logs read back"
     return found
+
+
+def test_an_s3_500_wrapped_by_upload_file_is_retried_and_a_refusal_is_not():
+    """boto3's upload_file raises S3UploadFailedError while handling the ClientError; the task retries judge
+    what it wraps (seen: SeaweedFS "InternalError" under three concurrent runs failed a run with no retry)."""
+    from boto3.exceptions import S3UploadFailedError
+    from botocore.exceptions import ClientError
+
+    from tasks._common import is_transient
+
+    def wrapped(code: str, status: int) -> S3UploadFailedError:
+        try:
+            try:
+                raise ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+            except ClientError as exc:
+                raise S3UploadFailedError(f"Failed to upload a to b: {exc}")  # noqa: B904 (boto3's own shape)
+        except S3UploadFailedError as failed:
+            return failed
+
+    assert is_transient(wrapped("InternalError", 500)) and is_transient(wrapped("SlowDown", 503))
+    assert not is_transient(wrapped("AccessDenied", 403)) and not is_transient(S3UploadFailedError("no cause"))
