@@ -23,7 +23,13 @@ def build(
     (tiny, small), or a pretrained LLM shipped as GGUF by a PyPI package (smollm2-135m)."""
     import json
     import logging
+    import sys
 
+    from infra import progress
+
+    # before anything imports transformers: its bars read the switch (HF_HUB_DISABLE_PROGRESS_BARS) at import
+    mode = progress.choose_mode(False, sys.stderr.isatty())  # a bar on a terminal, one line per 5% in a log
+    progress.configure(mode)
     from infra.reference.pretrained import PRETRAINED
     from infra.reference.train import SIZES
     from infra.settings import Settings
@@ -38,16 +44,6 @@ def build(
         if manifest.get("name") == f"pipprune-reference-{size}" and manifest.get("seed") == seed:
             typer.echo(f"reference {size} already built in {out} (use --force to rebuild)")
             return
-    import sys
-
-    from infra import progress
-
-    mode = progress.choose_mode(False, sys.stderr.isatty())  # a bar on a terminal, one line per 5% in a log
-    progress.configure(mode)
-    if mode != "bar":  # transformers' own bars (GGUF dequantization, weight loading) ignore TQDM_DISABLE
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from infra.gguf_source import GgufError
     from infra.reference.build import OutputInUse, build_reference
