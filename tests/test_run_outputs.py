@@ -73,14 +73,16 @@ def test_cached_dense_log_probabilities_give_the_live_models_figures(tiny_refere
             p.mul_(0.5)
     texts = ["Emma Woodhouse, handsome, clever, and rich, with a comfortable home.",
              "It was a bright cold day in April, and the clocks were striking thirteen."]
-    cached = CachedDense.build(dense, tok, texts, 64, tmp_path / "cache", chunk_tokens=5)  # written in slices (BLAS rounding)
+    cached = CachedDense.build(dense, tok, texts, 64, tmp_path / "cache")
     live, from_disk = divergence(dense, pruned, tok, texts, 64), divergence(cached, pruned, tok, texts, 64)
-    assert from_disk == pytest.approx(live, rel=1e-5) and live["kl"] > 0
-    assert divergence(cached, pruned, tok, texts, 64, chunk_tokens=3) == pytest.approx(live, rel=1e-5)
+    assert from_disk == pytest.approx(live, rel=1e-9, abs=1e-12) and live["kl"] > 0
+    # written and read in other slices: the same figures up to BLAS rounding of the smaller matrix products
+    sliced = CachedDense.build(dense, tok, texts, 64, tmp_path / "sliced", chunk_tokens=5)
+    assert divergence(sliced, pruned, tok, texts, 64, chunk_tokens=3) == pytest.approx(live, rel=1e-5)
     ids = tok(texts[0], return_tensors="pt", truncation=True, max_length=64)["input_ids"][0]
-    whole = torch.from_numpy(np.load(tmp_path / "cache" / "doc-00000.npy"))  # a plain .npy file
+    whole = torch.from_numpy(np.load(tmp_path / "sliced" / "doc-00000.npy"))  # a plain .npy file
     assert whole.shape == (len(ids) - 1, dense.config.vocab_size)
-    assert torch.equal(cached.logprobs(0, ids), whole) and torch.equal(cached.logprobs(0, ids, slice(2, 7)), whole[2:7])
+    assert torch.equal(sliced.logprobs(0, ids), whole) and torch.equal(sliced.logprobs(0, ids, slice(2, 7)), whole[2:7])
     with pytest.raises(Exception, match="other tokens"):
         divergence(CachedDense.open(tmp_path / "cache"), pruned, tok, list(reversed(texts)), 64)
 
