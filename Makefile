@@ -120,7 +120,7 @@ bench: install data
 	$(BIN)/python -m benchmarks.report
 
 # The real-model grid of the quality issue (SmolLM2-135M-Instruct, 32 pairs, 2 steps, both held-out sets): every
-# finished run is appended to REAL_RUNS (committed), so the grid resumes where it stopped, over several sessions.
+# finished run is appended to REAL_RUNS (commit it), so the grid resumes where it stopped, over several sessions.
 REAL_RUNS ?= benchmarks/results/runs/smollm2.jsonl
 REAL_SEEDS ?= 0,1,2
 REAL_DIV = $(BIN)/python -m benchmarks.divergence --model $(REF_REAL) --pairs 32 --iterations 2 --threads 2 \

@@ -23,15 +23,20 @@ _M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
 MMAP_THRESHOLD = 128 * 1024  # glibc's initial value, made fixed
 
 
-def fix_allocator() -> bool:
-    """Fix glibc's mmap threshold so freed tensors go back to the system; False where libc is not glibc."""
+def _glibc(function: str, *args: int) -> int | None:
+    """Call one of glibc's malloc tunables; None where this is not Linux or the libc lacks it (musl and others)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-    except (OSError, AttributeError):  # musl and others have no mallopt
-        return False
+        return int(getattr(libc, function)(*args))
+    except (OSError, AttributeError):
+        return None
+
+
+def fix_allocator() -> bool:
+    """Fix glibc's mmap threshold so freed tensors go back to the system; False where libc is not glibc."""
+    return bool(_glibc("mallopt", _M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
 def release_free_heap() -> bool:
@@ -40,14 +45,7 @@ def release_free_heap() -> bool:
     Small objects (Python's, the tokenizer's, lm-eval's) stay in heap arenas after they are freed, so a stage
     that allocated many leaves the next one starting higher; between stages that costs a few milliseconds.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
-        return False
+    return _glibc("malloc_trim", 0) is not None
 
 
 def _status_bytes(field: str) -> int:
