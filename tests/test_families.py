@@ -305,10 +305,14 @@ def test_cli_compress_width_uniform_on_the_most_distinct_families(stack_env, tin
     out = tmp_path / "out"
     result = cli(stack_env, "compress", "--model", str(source), "--calibration", str(tiny_reference_dir),
                  "--ratio", "0.2", "--unit", "width", "--width-mode", "uniform", "--method", "pip",
-                 "--iterations", "1", "--n-samples", "4", "--out", str(out), "--name", f"fam-{model_type}", "--json")
+                 "--iterations", "1", "--n-samples", "4", "--eval-limit", "5", "--out", str(out),
+                 "--name", f"fam-{model_type}", "--json")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(result.stdout[result.stdout.index("{"):])
     assert abs(summary["achieved_ratio"] - 0.2) < 0.05
+    # no --tasks: the calibration source is a reference build, so its local tasks run (5 items each here)
+    assert summary["tasks"] == ["pipprune_persuasion", "pipprune_wordnet_cloze"], summary["tasks"]
+    assert "calibration source is a pipprune reference build" in summary["tasks_origin"]
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == model_type and "auto_map" not in config
     stock = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)

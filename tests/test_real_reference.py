@@ -25,7 +25,11 @@ def test_the_real_gguf_compresses_registers_and_traces_back_to_its_file(stack_en
     gguf = gguf_path(PRETRAINED["smollm2-135m"])  # the wheel must be installed: make install does it
     env = {**os.environ, **stack_env, "PIPPRUNE_HOME": str(tmp_path / "home")}
     out = tmp_path / "out"
-    done = cli(env, "compress", "--model", str(gguf), "--calibration", str(tiny_reference_dir), "--unit", "block",
+    # the real model is 170x the tiny one: serving speed and a 16-text held-out set are the tiny runs' to cover
+    settings = tmp_path / "light.yaml"
+    settings.write_text("serving: {measure: false}\nheldout_samples: 4\n")
+    done = cli(env, "compress", "--model", str(gguf), "--config", str(settings),
+               "--calibration", str(tiny_reference_dir), "--unit", "block",
                "--method", "block-influence", "--ratio", "0.05", "--iterations", "1", "--n-samples", "4",
                "--tasks", "pipprune_wordnet_cloze", "--include-path", str(tiny_reference_dir / "tasks"),
                "--eval-limit", "4", "--name", "real-gguf", "--out", str(out), "--json", timeout=1800)
