@@ -121,21 +121,37 @@ bench: install data
 	$(BIN)/python -m benchmarks.recovery --compare --model $(REF_TINY)
 	$(BIN)/python -m benchmarks.report
 
-# The real-model grid of the quality issue (SmolLM2-135M-Instruct, 32 pairs, 2 steps, both held-out sets): every
-# finished run is appended to REAL_RUNS (commit it), so the grid resumes where it stopped, over several sessions.
-REAL_RUNS ?= benchmarks/results/runs/smollm2.jsonl
+# The real-model grid of the quality issue (SmolLM2-135M-Instruct, 32 pairs, 2 steps, both held-out sets): two
+# chains in parallel processes at one thread each (block units, width units), each appending every finished run to
+# its own JSONL under REAL_RUNS (commit them), so the grid resumes where it stopped, over several sessions; then
+# the tables are made from the files alone (--report-only: what has not run yet is listed, never computed).
+REAL_RUNS ?= benchmarks/results/runs
 REAL_SEEDS ?= 0,1,2
-REAL_DIV = $(BIN)/python -m benchmarks.divergence --model $(REF_REAL) --pairs 32 --iterations 2 --threads 2 \
-	--heldout persuasion,wordnet --resume $(REAL_RUNS)
-.PHONY: bench-real
-bench-real: install data
+REAL_MODEL := $(abspath $(REF_REAL))
+REAL_DIV = OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.divergence --model $(REAL_MODEL) --pairs 32 --iterations 2 \
+	--threads 1 --heldout persuasion,wordnet --ratios 0.2 --seeds $(REAL_SEEDS)
+REAL_BLOCK_METHODS := pip_l2,block_influence,taylor,pip_removal,magnitude,random,pip_single_view,pip_first_order,pip_removal_single_view
+REAL_WIDTH_METHODS := pip_l2,taylor,magnitude,random,pip_first_order,pip_single_view
+.PHONY: bench-real bench-real-block bench-real-width bench-real-report
+$(REAL_MODEL)/manifest.json: | $(VENV)/.installed
 	$(BIN)/pipprune reference build --size smollm2-135m --out $(REF_REAL)
-	mkdir -p $(dir $(REAL_RUNS))
-	$(REAL_DIV) --units width --ratios 0.2 --seeds $(REAL_SEEDS) \
-		--methods pip_l2,pip_first_order,pip_single_view,random,magnitude,taylor --name divergence_smollm2_width
-	$(REAL_DIV) --units block --ratios 0.2 --seeds $(REAL_SEEDS) --methods \
-		pip_l2,pip_first_order,pip_removal,pip_single_view,pip_removal_single_view,random,magnitude,taylor,block_influence \
+bench-real-block: install data $(REAL_MODEL)/manifest.json
+	mkdir -p $(REAL_RUNS)
+	$(REAL_DIV) --units block --methods $(REAL_BLOCK_METHODS) --resume $(REAL_RUNS)/smollm2_block.jsonl \
+		--name divergence_smollm2_block_chain
+bench-real-width: install data $(REAL_MODEL)/manifest.json
+	mkdir -p $(REAL_RUNS)
+	$(REAL_DIV) --units width --methods $(REAL_WIDTH_METHODS) --resume $(REAL_RUNS)/smollm2_width.jsonl \
+		--name divergence_smollm2_width_chain
+bench-real-report:
+	cat $(REAL_RUNS)/smollm2_block.jsonl $(REAL_RUNS)/smollm2_width.jsonl > $(STATE)/smollm2-runs.jsonl
+	$(REAL_DIV) --units block --methods $(REAL_BLOCK_METHODS) --resume $(STATE)/smollm2-runs.jsonl --report-only \
 		--name divergence_smollm2_block
+	$(REAL_DIV) --units width --methods $(REAL_WIDTH_METHODS) --resume $(STATE)/smollm2-runs.jsonl --report-only \
+		--name divergence_smollm2_width
+bench-real:
+	$(MAKE) -j2 bench-real-block bench-real-width
+	$(MAKE) bench-real-report
 
 # External peer (Torch-Pruning) in its own venv: torch-pruning 1.6.x hangs on GQA Llama
 # (VainF/Torch-Pruning#527) and its LLM example targets transformers 4.x; pipprune needs >= 4.56.

@@ -11,7 +11,7 @@ JSONL file and reuses them, so an interrupted benchmark loses at most the run in
 Usage: python -m benchmarks.divergence [--model DIR] [--ratios 0.1,0.2,0.3] [--units width,block]
        [--methods pip,pip_l2,...] [--pairs 32] [--iterations 2] [--rate 0.15] [--fresh-perturbation]
        [--seeds 0] [--width-mode uniform|per_layer] [--heldout persuasion,wordnet] [--resume runs.jsonl]
-       [--name divergence]
+       [--name divergence] [--report-only]
 """
 
 from __future__ import annotations
@@ -112,13 +112,18 @@ def summarise(runs: list[dict], n_boot: int = N_BOOT) -> tuple[list[dict], list[
         seeds = sorted({r["seed"] for r in cell})
         if len(seeds) < 2:
             continue
-        by_method: dict[str, list] = {}
-        for r in sorted(cell, key=lambda r: r["seed"]):
-            by_method.setdefault(r["method"], []).append(DocStats.from_json(r["docs"]))
+        by_method: dict[str, dict[int, object]] = {}
+        for r in cell:
+            by_method.setdefault(r["method"], {})[r["seed"]] = DocStats.from_json(r["docs"])
         for pip in [m for m in by_method if m.startswith("pip") and m not in BASELINES]:
             for base in [m for m in by_method if m in BASELINES]:
-                verdicts.append({"unit": unit, "ratio": ratio, "seed": "mean of " + ",".join(map(str, seeds)),
-                                 "pip": pip, "baseline": base, **kl_comparison(by_method[pip], by_method[base], 0, n_boot)})
+                common = sorted(set(by_method[pip]) & set(by_method[base]))  # a partial grid pools what both ran
+                if len(common) < 2:
+                    continue
+                verdicts.append({"unit": unit, "ratio": ratio, "seed": "mean of " + ",".join(map(str, common)),
+                                 "pip": pip, "baseline": base,
+                                 **kl_comparison([by_method[pip][s] for s in common],
+                                                 [by_method[base][s] for s in common], 0, n_boot)})
     return summary, verdicts
 
 
@@ -254,15 +259,29 @@ def run_key(unit: str, ratio: float, seed: int, method: str, args: argparse.Name
             f"{int(args.fresh_perturbation)}|{args.width_mode}|{args.max_length}")
 
 
+def model_identity(model: Path) -> str:
+    """What a --resume record is matched on: a reference build's weights, config and calibration digests (from
+    its manifest), so a committed runs file is reused from any checkout path; other models: the path."""
+    manifest = model / "manifest.json"
+    if not manifest.is_file():
+        return str(model)
+    files = json.loads(manifest.read_text()).get("files", {})
+    parts = {name: files.get(name) for name in ("config.json", "model.safetensors", "calibration/calibration.jsonl",
+                                                 "calibration/wordlist.txt")}
+    return "sha256:" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
 def load_done(path: Path | None, model: Path, digests: dict[str, str]) -> dict[str, dict]:
     """Finished runs of a --resume file for this model that measured (at least) these held-out sets, with the
     same contents; only these sets' records are kept. Other lines are ignored."""
     done: dict[str, dict] = {}
+    identity = model_identity(model)
     if path and path.is_file():
         for line in path.read_text().splitlines():
             if line.strip():
                 record = json.loads(line)
-                if record["model"] == str(model) and all(record["digests"].get(h) == d for h, d in digests.items()):
+                same = record.get("model_id", record["model"]) in (identity, str(model))
+                if same and all(record["digests"].get(h) == d for h, d in digests.items()):
                     done[record["key"]] = {h: record["runs"][h] for h in digests}
     return done
 
@@ -289,8 +308,13 @@ def main() -> None:
                              "each other one writes NAME_<set>")
     parser.add_argument("--resume", type=Path, default=None,
                         help="JSONL of finished runs: runs found there are reused, new ones appended")
+    parser.add_argument("--report-only", action="store_true",
+                        help="only tabulate the runs already in --resume (none is computed); the grid's runs not "
+                             "there yet are listed as missing")
     parser.add_argument("--name", default="divergence")
     args = parser.parse_args()
+    if args.report_only and not args.resume:
+        parser.error("--report-only needs --resume FILE (the finished runs to tabulate)")
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     from pip_core import io, schedule
@@ -305,6 +329,7 @@ def main() -> None:
                   for key, measured in done.items() if key.endswith(f"|{args.max_length}")
                   for held, r in measured.items() if r.get("removed_layers") is not None and r.get("unit") == "block"}
     runs: dict[str, list[dict]] = {h: [] for h in sets}
+    missing: list[str] = []
     for unit in args.units.split(","):
         methods = args.methods.split(",") if args.methods else METHODS[unit]
         for ratio in [float(r) for r in args.ratios.split(",")]:
@@ -315,6 +340,9 @@ def main() -> None:
                     if method in BLOCK_ONLY_METHODS and unit != "block":
                         continue
                     key = run_key(unit, ratio, seed, method, args)
+                    if key not in done and args.report_only:
+                        missing.append(key)
+                        continue
                     if key not in done:
                         options = schedule.ScoringOptions(method, unit, width_mode=args.width_mode)
                         done[key] = prune_and_measure(
@@ -324,7 +352,8 @@ def main() -> None:
                             fresh_perturbation=args.fresh_perturbation)
                         if args.resume:
                             with args.resume.open("a") as fh:
-                                fh.write(json.dumps({"key": key, "model": str(args.model), "runs": done[key],
+                                fh.write(json.dumps({"key": key, "model": str(args.model),
+                                                     "model_id": model_identity(args.model), "runs": done[key],
                                                      "digests": digests}) + "\n")
                     for held, run in done[key].items():
                         runs[held].append(run)
@@ -334,8 +363,12 @@ def main() -> None:
         meta = {"heldout": held, "heldout_sha256": digest, "documents": len(texts),
                 "bootstrap": {"n_boot": N_BOOT, "level": 0.95, "over": "held-out documents, paired"}}
         name = args.name if n == 0 else f"{args.name}_{Path(held).stem}"
-        print(write(name, {"args": vars(args), **meta, "runs": runs[held], "summary": summary, "verdicts": verdicts},
-                    tables(args.model.name, summary, verdicts, len(texts), held)))
+        table = tables(args.model.name, summary, verdicts, len(texts), held)
+        if missing:
+            table += ["", f"Not run yet ({len(missing)} of the grid; key: unit|ratio|seed|method|pairs|iterations|"
+                      "rate|fresh|width mode|max length): " + ", ".join(f"`{k}`" for k in missing)]
+        print(write(name, {"args": vars(args), **meta, "runs": runs[held], "summary": summary, "verdicts": verdicts,
+                           "missing": missing}, table))
 
 
 if __name__ == "__main__":

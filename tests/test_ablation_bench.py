@@ -88,3 +88,44 @@ def test_a_cell_without_its_default_run_is_refused():
 def test_edited_words_counts_changed_words_per_pair():
     pairs = [("the cat sat later", "the bat sat alter"), ("a host", "a ghost")]
     assert edited_words(pairs) == pytest.approx((2 + 1) / 2)
+
+
+def test_divergence_pools_a_partial_grid_over_the_seeds_both_methods_ran():
+    """A resumable grid is tabulated part-way: PIP with seeds 0,1,2 and Taylor with 0,1 pool over 0,1 only, each
+    seed's PIP run against the same seed's Taylor run (not PIP's seed 2 against nothing or another seed)."""
+    from benchmarks.divergence import summarise as divergence_summary
+
+    gen = torch.Generator().manual_seed(1)
+    kl = {s: 0.1 + 0.02 * s + 0.01 * torch.rand(N_DOCS, generator=gen, dtype=torch.float64) for s in (0, 1, 2)}
+    runs = [{"unit": "block", "ratio": 0.2, "seed": s, "method": "pip_l2", "docs": _docs(kl[s])} for s in (0, 1, 2)]
+    runs += [{"unit": "block", "ratio": 0.2, "seed": s, "method": "taylor", "docs": _docs(kl[s] * 2)} for s in (0, 1)]
+    _, verdicts = divergence_summary(runs, n_boot=200)
+    pooled = [v for v in verdicts if str(v["seed"]).startswith("mean")]
+    assert [(v["seed"], v["pip"], v["baseline"]) for v in pooled] == [("mean of 0,1", "pip_l2", "taylor")]
+    assert pooled[0]["relative"] == pytest.approx(-0.5) and pooled[0]["verdict"] == "better"
+    assert len([v for v in verdicts if v["seed"] in (0, 1, 2)]) == 2  # one per seed both ran
+
+
+def test_divergence_runs_file_is_reused_from_another_checkout_path_but_not_for_other_weights(tmp_path):
+    """A committed --resume file names the reference build by its manifest digests, not its path."""
+    import json
+
+    from benchmarks.divergence import load_done, model_identity
+
+    def build(folder, weights: str):
+        folder.mkdir(parents=True)
+        files = {"config.json": "c", "model.safetensors": weights, "calibration/calibration.jsonl": "k",
+                 "calibration/wordlist.txt": "w", "tokenizer.json": str(folder)}
+        (folder / "manifest.json").write_text(json.dumps({"files": files}))
+        return folder
+
+    here, clone, other = build(tmp_path / "a" / "ref", "w1"), build(tmp_path / "b" / "ref", "w1"), build(
+        tmp_path / "c" / "ref", "w2")
+    runs = tmp_path / "runs.jsonl"
+    record = {"key": "block|0.2|0|pip_l2", "model": str(here), "model_id": model_identity(here),
+              "runs": {"persuasion": {"kl": 1.0}}, "digests": {"persuasion": "d1"}}
+    runs.write_text(json.dumps(record) + "\n")
+    assert model_identity(here) == model_identity(clone) != model_identity(other)
+    assert load_done(runs, clone, {"persuasion": "d1"}) == {"block|0.2|0|pip_l2": {"persuasion": {"kl": 1.0}}}
+    assert load_done(runs, other, {"persuasion": "d1"}) == {}
+    assert load_done(runs, clone, {"persuasion": "d2"}) == {}  # another held-out text: not the same run
