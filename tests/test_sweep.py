@@ -134,7 +134,8 @@ def test_local_sweep_reruns_reuse_points_and_a_failed_point_is_reported(stack_en
 
 def test_sweep_on_a_process_work_pool_with_two_workers(stack_env, tiny_reference_dir, tmp_path):
     """2 points as deployment runs on a process work pool served by 2 workers (one run at a time each): both
-    workers take a point, the parent run has the table and the Pareto plot, and the rerun reuses every point."""
+    workers take a point, and the parent run has the table and the Pareto plot. (A rerun's reuse is decided
+    before a point is dispatched, the same for a pool and for subflows: the local sweep test covers it.)"""
     import json
 
     env = {**os.environ, **stack_env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -158,9 +159,6 @@ def test_sweep_on_a_process_work_pool_with_two_workers(stack_env, tiny_reference
         assert took == {"w1", "w2"}, [r["worker"] for r in rows]
         names, metrics, children = _parent_artifacts(stack_env, doc["parent_run_id"])
         assert {"sweep/sweep.csv", "sweep/pareto.png"} <= set(names) and len(children) == 2
-        again = _cli(stack_env, "sweep", "--config", str(path), "--json")
-        assert again.returncode == 0, again.stderr[-3000:]
-        assert [r["status"] for r in json.loads(again.stdout)["rows"]] == ["reused"] * 2
         print(first.stdout)  # the table, for the record (pytest -s)
     finally:
         for worker in workers:
