@@ -129,3 +129,37 @@ def test_divergence_runs_file_is_reused_from_another_checkout_path_but_not_for_o
     assert load_done(runs, clone, {"persuasion": "d1"}) == {"block|0.2|0|pip_l2": {"persuasion": {"kl": 1.0}}}
     assert load_done(runs, other, {"persuasion": "d1"}) == {}
     assert load_done(runs, clone, {"persuasion": "d2"}) == {}  # another held-out text: not the same run
+
+
+def test_recovery_curve_pairs_each_budget_with_its_own_lora_run_and_old_results_still_render():
+    from benchmarks.recovery import budgets, compare_table, curve, summarise as recovery_summary
+
+    assert budgets("40,10,20,10") == [10, 20, 40]
+    with pytest.raises(SystemExit, match="positive step counts"):
+        budgets("0")
+    gen = torch.Generator().manual_seed(2)
+    base = 0.2 + 0.01 * torch.rand(N_DOCS, generator=gen, dtype=torch.float64)
+
+    def run(variant: str, steps: int, factor: float) -> dict:
+        return {"variant": variant, "seed": 0, "steps": steps, "tokens": 100 * steps, "train_seconds": 1.0,
+                "cloze_acc": 0.4, "heldout": {"persuasion": {"sha256": "d", "docs": _docs(base * factor)}}}
+
+    runs = [run("none", 0, 1.0)] + [run(v, s, f / s) for s in (10, 20) for v, f in (("lora_lm", 9), ("kd_lora", 5))]
+    summary = recovery_summary(runs, ["persuasion"], n_boot=200)
+    pairs = {(v["a"], v["b"]) for v in summary["persuasion"]["verdicts"]}
+    assert ("kd_lora@20", "lora_lm@20") in pairs and ("kd_lora@20", "lora_lm@10") not in pairs
+    args = {"model": "m/smollm2-135m", "unit": "block", "ratio": 0.2, "iterations": 2, "steps": "10,20",
+            "batch_size": 8, "max_length": 128, "seeds": "0", "lr": 2e-3, "full_lr": 2e-4, "temperature": 1.0,
+            "method": "block_influence", "cloze_limit": 100, "name": "curve"}
+    payload = {"args": args, "params_dense": 10, "params_pruned": 8, "dense_cloze_acc": 0.5, "runs": runs,
+               "summary": summary}
+    payload["curve"] = curve(payload)
+    kd = sorted((r["steps"], r["kl"]) for r in payload["curve"] if r["variant"] == "kd_lora")
+    assert [s for s, _ in kd] == [10, 20] and kd[1][1] < kd[0][1]
+    assert [r["cloze_retained"] for r in payload["curve"]] == pytest.approx([0.8] * 5)
+    table = "\n".join(compare_table(payload))
+    assert "Recovery curve" in table and "| KD, LoRA | 20 | 2,000 |" in table
+    old = [{k: v for k, v in r.items() if k != "steps"} for r in runs[:3]]  # results written before budgets
+    old_payload = {"args": {**args, "steps": 10}, "params_dense": 10, "params_pruned": 8, "runs": old,
+                   "summary": recovery_summary(old, ["persuasion"], n_boot=200)}
+    assert "| KD, LoRA |" in "\n".join(compare_table(old_payload))
