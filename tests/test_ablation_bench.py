@@ -132,7 +132,8 @@ def test_divergence_runs_file_is_reused_from_another_checkout_path_but_not_for_o
 
 
 def test_recovery_curve_pairs_each_budget_with_its_own_lora_run_and_old_results_still_render():
-    from benchmarks.recovery import budgets, compare_table, curve, summarise as recovery_summary
+    from benchmarks.recovery import budgets, compare_table, curve
+    from benchmarks.recovery import summarise as recovery_summary
 
     assert budgets("40,10,20,10") == [10, 20, 40]
     with pytest.raises(SystemExit, match="positive step counts"):
