@@ -16,8 +16,8 @@ CANDIDATE_SEEDS = ("divergence_smollm2_block_seeds", "divergence_smollm2_block_s
 
 
 #: the real-model grid (make bench-real: every method at block and width 0.2, seeds 0,1,2; tables from its runs files)
-REAL_GRID = ("divergence_smollm2_block", "divergence_smollm2_block_wordnet", "divergence_smollm2_width",
-             "divergence_smollm2_width_wordnet")
+REAL_GRID = tuple(f"divergence_smollm2_{unit}{cell}{held}" for unit in ("block", "width") for cell in ("", "_ratios")
+                  for held in ("", "_wordnet"))
 ORDER = [*REAL_GRID, *CANDIDATES, *CANDIDATE_SEEDS, "divergence_smollm2_block_paper_schedule",
          "divergence_small", "divergence_small_wordnet", "divergence_small_block_seeds", "divergence_small_block_seeds_wordnet",
          "divergence_small_block_seeds_deep", "divergence_small_block_seeds_deep_wordnet",
