@@ -131,35 +131,30 @@ REAL_MODEL := $(abspath $(REF_REAL))
 REAL_DIV = OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.divergence --model $(REAL_MODEL) --pairs 32 --iterations 2 \
 	--threads 1 --heldout persuasion,wordnet --seeds $(REAL_SEEDS)
 # ratio 0.2: every method; 0.1 and 0.3: PIP's default form against the two strongest baselines of the 0.2 cell
-REAL_BLOCK_METHODS := pip_l2,block_influence,taylor,pip_removal,magnitude,random,pip_single_view,pip_first_order,pip_removal_single_view
-REAL_WIDTH_METHODS := pip_l2,taylor,magnitude,random,pip_first_order,pip_single_view
-REAL_BLOCK_RATIO_METHODS := pip_l2,block_influence,taylor
-REAL_WIDTH_RATIO_METHODS := pip_l2,taylor,random
+REAL_block_METHODS := pip_l2,block_influence,taylor,pip_removal,magnitude,random,pip_single_view,pip_first_order,pip_removal_single_view
+REAL_width_METHODS := pip_l2,taylor,magnitude,random,pip_first_order,pip_single_view
+REAL_block_RATIO_METHODS := pip_l2,block_influence,taylor
+REAL_width_RATIO_METHODS := pip_l2,taylor,random
 .PHONY: bench-real bench-real-block bench-real-width bench-real-report
 $(REAL_MODEL)/manifest.json: | $(VENV)/.installed
 	$(BIN)/pipprune reference build --size smollm2-135m --out $(REF_REAL)
-bench-real-block: install data $(REAL_MODEL)/manifest.json
+# one chain per unit kind: ratio 0.2 first, then 0.1 and 0.3
+bench-real-block bench-real-width: bench-real-%: install data $(REAL_MODEL)/manifest.json
 	mkdir -p $(REAL_RUNS)
-	$(REAL_DIV) --units block --ratios 0.2 --methods $(REAL_BLOCK_METHODS) --resume $(REAL_RUNS)/smollm2_block.jsonl \
-		--name divergence_smollm2_block_chain
-	$(REAL_DIV) --units block --ratios 0.1,0.3 --methods $(REAL_BLOCK_RATIO_METHODS) \
-		--resume $(REAL_RUNS)/smollm2_block.jsonl --name divergence_smollm2_block_chain
-bench-real-width: install data $(REAL_MODEL)/manifest.json
-	mkdir -p $(REAL_RUNS)
-	$(REAL_DIV) --units width --ratios 0.2 --methods $(REAL_WIDTH_METHODS) --resume $(REAL_RUNS)/smollm2_width.jsonl \
-		--name divergence_smollm2_width_chain
-	$(REAL_DIV) --units width --ratios 0.1,0.3 --methods $(REAL_WIDTH_RATIO_METHODS) \
-		--resume $(REAL_RUNS)/smollm2_width.jsonl --name divergence_smollm2_width_chain
+	$(REAL_DIV) --units $* --ratios 0.2 --methods $(REAL_$*_METHODS) --resume $(REAL_RUNS)/smollm2_$*.jsonl \
+		--name divergence_smollm2_$*_chain
+	$(REAL_DIV) --units $* --ratios 0.1,0.3 --methods $(REAL_$*_RATIO_METHODS) \
+		--resume $(REAL_RUNS)/smollm2_$*.jsonl --name divergence_smollm2_$*_chain
 # the tables, from the committed runs files alone (the chains' own *_chain tables are scratch)
 bench-real-report:
 	cat $(REAL_RUNS)/smollm2_block.jsonl $(REAL_RUNS)/smollm2_width.jsonl > $(STATE)/smollm2-runs.jsonl
-	$(REAL_DIV) --units block --ratios 0.2 --methods $(REAL_BLOCK_METHODS) --resume $(STATE)/smollm2-runs.jsonl \
+	$(REAL_DIV) --units block --ratios 0.2 --methods $(REAL_block_METHODS) --resume $(STATE)/smollm2-runs.jsonl \
 		--report-only --name divergence_smollm2_block
-	$(REAL_DIV) --units width --ratios 0.2 --methods $(REAL_WIDTH_METHODS) --resume $(STATE)/smollm2-runs.jsonl \
+	$(REAL_DIV) --units width --ratios 0.2 --methods $(REAL_width_METHODS) --resume $(STATE)/smollm2-runs.jsonl \
 		--report-only --name divergence_smollm2_width
-	$(REAL_DIV) --units block --ratios 0.1,0.3 --methods $(REAL_BLOCK_RATIO_METHODS) \
+	$(REAL_DIV) --units block --ratios 0.1,0.3 --methods $(REAL_block_RATIO_METHODS) \
 		--resume $(STATE)/smollm2-runs.jsonl --report-only --name divergence_smollm2_block_ratios
-	$(REAL_DIV) --units width --ratios 0.1,0.3 --methods $(REAL_WIDTH_RATIO_METHODS) \
+	$(REAL_DIV) --units width --ratios 0.1,0.3 --methods $(REAL_width_RATIO_METHODS) \
 		--resume $(STATE)/smollm2-runs.jsonl --report-only --name divergence_smollm2_width_ratios
 	rm -f benchmarks/results/divergence_smollm2_*_chain*
 	$(BIN)/python -m benchmarks.report
