@@ -324,6 +324,7 @@ def main() -> None:
     dense = CachedDense(base)
     sets = {h: heldout_texts(args.model, h) for h in args.heldout.split(",")}
     digests = {h: d for h, (_, d) in sets.items()}
+    identity = model_identity(args.model)
     done = load_done(args.resume, args.model, digests)
     same_model = {removed_set_key(r["removed_layers"], digests[held], args.max_length): r["docs"]
                   for key, measured in done.items() if key.endswith(f"|{args.max_length}")
@@ -353,7 +354,7 @@ def main() -> None:
                         if args.resume:
                             with args.resume.open("a") as fh:
                                 fh.write(json.dumps({"key": key, "model": str(args.model),
-                                                     "model_id": model_identity(args.model), "runs": done[key],
+                                                     "model_id": identity, "runs": done[key],
                                                      "digests": digests}) + "\n")
                     for held, run in done[key].items():
                         runs[held].append(run)

@@ -29,13 +29,18 @@ def score_dir(model_dir: Path, tasks_dir: Path, limit: int) -> dict[str, float]:
     return {"cloze_acc": results[CLOZE]["acc"], "word_perplexity": results[PPL]["word_perplexity"]}
 
 
-def evaluate(model, tokenizer, model_dir: Path, limit: int, scratch: Path) -> dict[str, float]:
+def saved(model, tokenizer, scratch: Path) -> Path:
+    """`model` saved as a plain directory in `scratch` (replacing the last one), for lm-eval to load."""
     from pip_core import io
 
     out = scratch / "m"
     shutil.rmtree(out, ignore_errors=True)
     io.save_pruned(model, tokenizer, out)
-    return score_dir(out, model_dir / "tasks", limit)
+    return out
+
+
+def evaluate(model, tokenizer, model_dir: Path, limit: int, scratch: Path) -> dict[str, float]:
+    return score_dir(saved(model, tokenizer, scratch), model_dir / "tasks", limit)
 
 
 def main() -> None:

@@ -123,6 +123,12 @@ def run_label(run: dict) -> str:
     return run["variant"] if run["variant"] == "none" or run.get("steps") is None else f"{run['variant']}@{run['steps']}"
 
 
+def at_budget(label: str, variant: str) -> str:
+    """The row of `variant` at the same budget as `label` (`kd_lora@40` -> `lora_lm@40`; `kd_lora` -> `lora_lm`)."""
+    _, at, steps = label.partition("@")
+    return variant + at + steps
+
+
 def _resume_config(args: argparse.Namespace) -> dict:
     """Everything besides (variant, seed, steps) that changes a recovery run's figures."""
     from benchmarks.divergence import model_identity
@@ -237,15 +243,10 @@ class Bench:
 
 def _cloze(model, tok, args: argparse.Namespace, scratch: Path) -> float:
     """WordNet cloze accuracy (lm-eval, the reference build's local task) on --cloze-limit items."""
-    import shutil
-
-    from benchmarks.quality import CLOZE
+    from benchmarks.quality import CLOZE, saved
     from infra.lmeval import run_lmeval
-    from pip_core import io
 
-    out = scratch / "cloze-model"
-    shutil.rmtree(out, ignore_errors=True)
-    io.save_pruned(model, tok, out)
+    out = saved(model, tok, scratch)
     return float(run_lmeval(out, [CLOZE], include_path=args.model / "tasks", limit=args.cloze_limit)[CLOZE]["acc"])
 
 
@@ -319,8 +320,7 @@ def summarise(runs: list[dict], heldouts: list[str], n_boot: int = N_BOOT) -> di
             rows[name] = row
         verdicts = []
         pairs = [(v, "none") for v in by if v != "none"]
-        pairs += [(v, v.replace(v.split("@")[0], "lora_lm", 1)) for v in by if v.startswith("kd")
-                  and v.replace(v.split("@")[0], "lora_lm", 1) in by]
+        pairs += [(v, at_budget(v, "lora_lm")) for v in by if v.startswith("kd") and at_budget(v, "lora_lm") in by]
         for a, b in pairs:
             for metric in ("kl", "ppl_pruned"):
                 diff = bootstrap.paired_difference(by[a], by[b], metric, n_boot)
@@ -362,8 +362,7 @@ def compare_table(payload: dict) -> list[str]:
             cells = {m: f"{row[m]['point']:{fmt}} [{row[m]['low']:{fmt}}, {row[m]['high']:{fmt}}]"
                      for m, fmt in (("kl", ".4f"), ("ppl_pruned", ".2f"))}
             vs = {}
-            lora = name.replace(name.split("@")[0], "lora_lm", 1)  # LoRA on the LM loss at the same budget
-            for b, against in (("none", "none"), ("lora_lm", lora)):
+            for b, against in (("none", "none"), ("lora_lm", at_budget(name, "lora_lm"))):
                 for m, fmt in (("kl", "+.4f"), ("ppl_pruned", "+.2f")):
                     v = verdicts.get((name, against, m))
                     vs[b, m] = f"{v['verdict']} ({v['diff']['point']:{fmt}})" if v else "-"
