@@ -17,7 +17,7 @@ DEMO_PAIRS ?= 32
 DEMO_EVAL ?= --tasks pipprune_wordnet_cloze --include-path $(REF_REAL)/tasks --eval-limit 100
 DEMO_RECOVERY ?= --recovery-steps 12 --recovery kd
 
-.PHONY: install data lint demo test test-fast stack-down clean-state bench bench-serving peer-venv bench-peer docs-screenshots
+.PHONY: install data lint demo test test-durations test-fast stack-down clean-state bench bench-serving peer-venv bench-peer docs-screenshots
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -57,10 +57,16 @@ lint: install
 
 # Two pytest workers (pytest-xdist): most tests wait on servers and subprocesses, so two share the 2 cores
 # well; each worker starts its own stack, and torch runs one thread per process so they do not oversubscribe.
-# --dist loadfile: a module's tests stay together, in order, on one worker (module fixtures are built once).
+# --dist loadfile: a module's tests stay together on one worker (module fixtures are built once); files go out
+# slowest first by tests/durations.json, which `make test-durations` records anew (commit it when files change).
 TEST_WORKERS ?= 2
+PYTEST_SUITE = OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 -n $(TEST_WORKERS) \
+	--dist loadfile
 test: install data lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST_SUITE)
+
+test-durations: install data lint
+	$(PYTEST_SUITE) --record-durations
 
 # The inner loop: pure unit tests (no servers, no reference model build), slowest printed.
 test-fast: install

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 BUILDER = ROOT / "infra" / "reference"
+#: seconds per test file of the last recorded full run (`make test-durations`)
+DURATIONS = ROOT / "tests" / "durations.json"
 
 
 def builder_digest() -> str:
@@ -32,14 +36,17 @@ def builder_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def _tiny_reference(threads: int | None = None) -> Path:
+def _tiny_reference(threads: int | None = None, on_locked: Callable[[], None] | None = None) -> Path:
     """The built `tiny` reference (about two minutes the first time), under a file lock: one process builds it,
-    any other waits for it. `threads`: torch threads for the build (the test processes run one each)."""
+    any other waits for it. `threads`: torch threads for the build (the test processes run one each);
+    `on_locked`: called once the lock is held."""
     from filelock import FileLock
 
     out = ROOT / ".pipprune" / "test-cache" / f"tiny-{builder_digest()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
+        if on_locked is not None:
+            on_locked()
         if not (out / "manifest.json").is_file():
             import torch
 
@@ -54,14 +61,65 @@ def _tiny_reference(threads: int | None = None) -> Path:
     return out
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--record-durations", action="store_true",
+                     help=f"after a passing run, write each test file's seconds to {DURATIONS.relative_to(ROOT)} "
+                          "(the next runs hand out the slowest files first)")
+
+
 def pytest_configure(config) -> None:
-    """With pytest-xdist workers, the controller builds the tiny reference with every core before the workers
-    start: otherwise one worker builds it on one thread while the other waits on the lock (138 s each measured)."""
+    """With pytest-xdist workers, the controller builds the tiny reference in a thread while the workers start,
+    collect and run the tests that need no model: it holds the file lock before any worker exists, so no worker
+    builds it a second time (built before the workers, it kept both cores busy for 110 s on the critical path)."""
     workers = getattr(config.option, "numprocesses", None)
     is_worker = hasattr(config, "workerinput")
     wants_models = "not slow" not in (config.getoption("markexpr", "") or "")
     if workers and not is_worker and wants_models and not config.option.collectonly:
-        _tiny_reference(threads=os.cpu_count())
+        config.pluginmanager.register(_ReferenceBuild(), "pipprune-reference-build")
+    if not is_worker:
+        config.pluginmanager.register(_DurationRecord(config.getoption("record_durations")), "pipprune-durations")
+
+
+class _ReferenceBuild:
+    """The tiny reference built in a controller thread; `start` returns once the thread holds the lock."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.locked, self.error = threading.Event(), None
+        self.thread = threading.Thread(target=self._build, name="tiny-reference-build", daemon=True)
+        self.thread.start()
+        self.locked.wait()
+
+    def _build(self) -> None:
+        try:
+            _tiny_reference(threads=1, on_locked=self.locked.set)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread at the end
+            self.error = exc
+        finally:
+            self.locked.set()
+
+    def pytest_unconfigure(self, config) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+class _DurationRecord:
+    """Seconds per test file (setup + call + teardown), merged into DURATIONS after a passing --record-durations run."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.seconds = enabled, {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        path = report.nodeid.split("::")[0]
+        self.seconds[path] = self.seconds.get(path, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session, exitstatus) -> None:
+        if self.enabled and exitstatus == 0 and self.seconds:  # files that did not run keep their record
+            table = {**(json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}),
+                     **{path: round(s, 1) for path, s in self.seconds.items()}}
+            DURATIONS.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: -kv[1])), indent=1) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -72,13 +130,31 @@ def tiny_reference_dir() -> Path:
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests that use the stack are marked `stack`, and those that build or load models `slow`, whatever their
-    module says, so `make test-fast` (-m "not stack and not slow") is only pure unit tests."""
+    module says, so `make test-fast` (-m "not stack and not slow") is only pure unit tests.
+
+    Then the order in which `--dist loadfile` hands files out: files that need no model first (they run while the
+    reference builds), then the slowest files by the recorded seconds (a long file handed out last keeps one
+    worker busy alone at the end); inside a file, its tests that need no model first, otherwise as written."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if names & {"local_stack", "stack_env"}:
             item.add_marker(pytest.mark.stack)
         if names & {"tiny_reference_dir", "local_stack", "stack_env"}:
             item.add_marker(pytest.mark.slow)
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    files: dict[str, list[int]] = {}
+    for index, item in enumerate(items):
+        files.setdefault(item.nodeid.split("::")[0], []).append(index)
+
+    def slow(item) -> bool:
+        return item.get_closest_marker("slow") is not None
+
+    def seconds(path: str) -> float:  # a file not recorded yet: about 15 s per test that needs a model
+        return recorded.get(path, 15.0 * sum(slow(items[i]) for i in files[path]))
+
+    rank = {path: (any(slow(items[i]) for i in idx), -seconds(path), idx[0]) for path, idx in files.items()}
+    order = sorted(range(len(items)), key=lambda i: (rank[items[i].nodeid.split("::")[0]], slow(items[i]), i))
+    items[:] = [items[i] for i in order]
 
 
 def stack_settings(home: Path):  # infra.settings.Settings, imported lazily

@@ -11,6 +11,8 @@ import boto3
 from infra.stack import free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
+#: `--config` of the tests' CLI compress runs: no serving measurement (test_budget_serving_stack keeps it)
+NO_SERVING = ("--config", str(ROOT / "tests" / "configs" / "no_serving.yaml"))
 
 
 def seaweed_port_base() -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from infra.stack import free_port
-from tests.helpers import ROOT, cli, seaweed_port_base
+from tests.helpers import NO_SERVING, ROOT, cli, seaweed_port_base
 
 PRECIOUS = b"\x00user data \xff\xfe that pipprune must never touch\n"
 
@@ -42,7 +42,7 @@ def _foreground_sigint() -> None:
 def _lean(ref: Path, name: str, *extra: str) -> list[str]:
     return ["compress", "--model", str(ref), "--calibration", str(ref), "--ratio", "0.2", "--iterations", "2",
             "--n-samples", "4", "--tasks", "pipprune_wordnet_cloze", "--include-path", str(ref / "tasks"),
-            "--eval-limit", "10", "--name", name, *extra]
+            "--eval-limit", "10", "--name", name, *NO_SERVING, *extra]
 
 
 # ---------------------------------------------------------------------------------------- bad input, exit 2

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FlakyS3Proxy, s3_of
+from tests.helpers import NO_SERVING, FlakyS3Proxy, s3_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
@@ -36,7 +36,7 @@ def _config(ref_dir: Path, **overrides):
     fields = dict(model=str(ref_dir), calibration=str(ref_dir), ratio=0.2, unit="width", method="pip",
                   iterations=2, n_samples=8, heldout_samples=4, max_length=64,
                   eval_tasks=("pipprune_wordnet_cloze",), eval_include_path=str(ref_dir / "tasks"), eval_limit=40,
-                  registered_model_name="tiny-pip")
+                  registered_model_name="tiny-pip", serving={"measure": False})
     fields.update(overrides)
     return CompressConfig(**fields)
 
@@ -76,7 +76,7 @@ def first_run(stack_env, tiny_reference_dir):
     real_load = core_io.load
     mp.setattr(core_io, "load", lambda path, *a, **k: loads.append(str(path)) or real_load(path, *a, **k))
     started = time.perf_counter()
-    summary = _run_flow(stack_env, _config(tiny_reference_dir))
+    summary = _run_flow(stack_env, _config(tiny_reference_dir, serving={"measure": True}))  # the whole flow
     elapsed = time.perf_counter() - started
     mp.setattr(core_io, "load", real_load)
     yield summary, elapsed, loads
@@ -188,9 +188,10 @@ def _cli(env: dict[str, str], *args: str, **kwargs) -> subprocess.Popen:
 
 
 def _cli_args(ref: Path, seed: int) -> list[str]:
-    return ["compress", "--model", str(ref), "--ratio", "0.2", "--unit", "mlp", "--method", "pip",
+    return ["compress", "--model", str(ref), "--calibration", str(ref), "--ratio", "0.2", "--unit", "mlp", "--method", "pip",
             "--iterations", "3", "--n-samples", "6", "--seed", str(seed), "--tasks", "pipprune_wordnet_cloze",
-            "--include-path", str(ref / "tasks"), "--eval-limit", "10", "--name", "tiny-resume", "--json"]
+            "--include-path", str(ref / "tasks"), "--eval-limit", "10", "--name", "tiny-resume", "--json",
+            *NO_SERVING]
 
 
 def _manifest_exists(env: dict[str, str], bucket: str, iteration: int) -> bool:

@@ -21,7 +21,7 @@ import botocore.exceptions
 import pytest
 
 from tests.conftest import stack_settings
-from tests.helpers import ROOT, cli, s3_of
+from tests.helpers import NO_SERVING, ROOT, cli, s3_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
@@ -33,10 +33,18 @@ def env(local_stack, tmp_path_factory):
     return {**os.environ, **stack.client_env(), "PIPPRUNE_HOME": str(home), "PIPPRUNE_S3_BUCKET": "durable"}
 
 
+@pytest.fixture(scope="module")
+def durable_run(env, tiny_reference_dir) -> dict:
+    """One finished 3-step run in the durable bucket: what the stack restart must keep, and the uninterrupted
+    twin a run killed by a dead S3 server must resume into."""
+    s3_of(env).create_bucket(Bucket="durable")
+    return summary_of(cli(env, *compress_args(tiny_reference_dir, "durable-model", 3)))
+
+
 def compress_args(ref: Path, name: str, iterations: int) -> list[str]:
-    return ["compress", "--model", str(ref), "--ratio", "0.3", "--unit", "width", "--method", "magnitude",
-            "--iterations", str(iterations), "--n-samples", "4", "--tasks", "pipprune_wordnet_cloze",
-            "--include-path", str(ref / "tasks"), "--eval-limit", "5", "--name", name, "--json"]
+    return ["compress", "--model", str(ref), "--calibration", str(ref), "--ratio", "0.3", "--unit", "width",
+            "--method", "magnitude", "--iterations", str(iterations), "--n-samples", "4", "--tasks", "pipprune_wordnet_cloze",
+            "--include-path", str(ref / "tasks"), "--eval-limit", "5", "--name", name, "--json", *NO_SERVING]
 
 
 def summary_of(done: subprocess.CompletedProcess) -> dict:
@@ -162,10 +170,9 @@ def test_wrong_key_through_the_mlflow_artifact_proxy_is_refused(local_stack, tin
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_lineage_survives_stack_down_and_up(local_stack, env, tiny_reference_dir):
+def test_lineage_survives_stack_down_and_up(local_stack, env, durable_run):
     stack, _ = local_stack
-    s3_of(env).create_bucket(Bucket="durable")
-    summary = summary_of(cli(env, *compress_args(tiny_reference_dir, "durable-model", 2)))
+    summary = durable_run
     assert cli(env, "lineage", "durable-model", "--version", summary["model_version"]).returncode == 0
     stack.down()
     try:
@@ -182,13 +189,12 @@ def test_lineage_survives_stack_down_and_up(local_stack, env, tiny_reference_dir
     assert "iterations/iter-1/score_table.csv" in artifacts  # artifacts live in the durable bucket
 
 
-def test_s3_killed_mid_run_fails_clearly_then_resumes_identically(local_stack, env, tiny_reference_dir, tmp_path):
+def test_s3_killed_mid_run_fails_clearly_then_resumes_identically(local_stack, env, tiny_reference_dir, durable_run,
+                                                                   tmp_path):
     stack, settings = local_stack
     s3 = s3_of(env)
     s3.create_bucket(Bucket="killed")
-    s3.create_bucket(Bucket="uninterrupted")
-    reference = summary_of(cli({**env, "PIPPRUNE_S3_BUCKET": "uninterrupted", "PIPPRUNE_HOME": str(tmp_path / "u")},
-                               *compress_args(tiny_reference_dir, "durable-uninterrupted", 3)))
+    reference = durable_run  # the same job, uninterrupted, in another bucket and home
     run_env = {**env, "PIPPRUNE_S3_BUCKET": "killed", "PIPPRUNE_HOME": str(tmp_path / "k")}
     victim = subprocess.Popen([sys.executable, "-m", "pipprune.cli", *compress_args(tiny_reference_dir, "durable-killed", 3)],
                               env=run_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -34,7 +34,7 @@ def compressed(env, tiny_reference_dir, tmp_path_factory):
     """A block-pruned tiny reference whose compress run ends with the export stage (f16)."""
     s3_of(env).create_bucket(Bucket=BUCKET)
     config = tmp_path_factory.mktemp("cfg") / "compress.yaml"
-    config.write_text(yaml.safe_dump({"export": {"quant": "f16"}}))
+    config.write_text(yaml.safe_dump({"export": {"quant": "f16"}, "serving": {"measure": False}}))
     done = cli(env, "compress", "--model", str(tiny_reference_dir), "--calibration", str(tiny_reference_dir),
                "--config", str(config), "--ratio", "0.2", "--unit", "block", "--iterations", "1", "--n-samples", "6",
                "--tasks", "pipprune_wordnet_cloze", "--include-path", str(tiny_reference_dir / "tasks"),

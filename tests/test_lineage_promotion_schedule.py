@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import cli, s3_of
+from tests.helpers import NO_SERVING, cli, s3_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
@@ -35,9 +35,10 @@ def env(local_stack, tmp_path_factory):
 @pytest.fixture(scope="module")
 def registered(env, tiny_reference_dir):
     s3_of(env).create_bucket(Bucket="lineage-tests")
-    done = cli(env, "compress", "--model", str(tiny_reference_dir), "--ratio", "0.2", "--unit", "block",
+    done = cli(env, "compress", "--model", str(tiny_reference_dir), "--calibration", str(tiny_reference_dir),
+               "--ratio", "0.2", "--unit", "block",
                "--iterations", "2", "--n-samples", "6", "--tasks", "pipprune_wordnet_cloze", "--include-path",
-               str(tiny_reference_dir / "tasks"), "--eval-limit", "20", "--name", NAME, "--json")
+               str(tiny_reference_dir / "tasks"), "--eval-limit", "20", "--name", NAME, "--json", *NO_SERVING)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout[done.stdout.index("{"):])
 
@@ -115,7 +116,8 @@ def test_schedule_deployment_runs_on_a_process_worker(env, tiny_reference_dir, t
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({
         "model": str(tiny_reference_dir), "calibration": str(tiny_reference_dir), "ratio": 0.1, "unit": "block",
-        "method": "magnitude", "iterations": 1, "n_samples": 4, "registered_model_name": "tiny-scheduled"}))
+        "method": "magnitude", "iterations": 1, "n_samples": 4, "registered_model_name": "tiny-scheduled",
+        "serving": {"measure": False}}))
     prefect = [sys.executable, "-m", "prefect"]
     made = subprocess.run([*prefect, "work-pool", "create", "test-pool", "--type", "process"], env=env,
                           capture_output=True, text=True, timeout=120)
@@ -185,7 +187,8 @@ def test_prefect_yaml_is_current_deploys_and_runs_on_a_process_worker(env, tiny_
     assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
     params = {"config": {"model": str(tiny_reference_dir), "ratio": 0.1, "registered_model_name": "tiny-deployed",
                          "calibration": {"source": str(tiny_reference_dir), "n_samples": 4, "heldout_samples": 2},
-                         "scoring": {"unit": "block", "method": "magnitude", "iterations": 1}}}
+                         "scoring": {"unit": "block", "method": "magnitude", "iterations": 1},
+                         "serving": {"measure": False}}}
     started = subprocess.run([*prefect, "deployment", "run", "compress/compress", "--params", json.dumps(params)],
                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stdout + started.stderr

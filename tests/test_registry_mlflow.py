@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from infra.stack import free_port
-from tests.helpers import cli
+from tests.helpers import NO_SERVING, cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
@@ -72,9 +72,11 @@ def registered(session_env, tiny_reference_dir, tmp_path_factory) -> dict:
                  aws_access_key_id=session_env["AWS_ACCESS_KEY_ID"],
                  aws_secret_access_key=session_env["AWS_SECRET_ACCESS_KEY"]).create_bucket(Bucket=BUCKET)
     out = tmp_path_factory.mktemp("export") / "model"
-    done = cli(session_env, "compress", "--model", str(tiny_reference_dir), "--ratio", "0.3", "--unit", "block",
+    done = cli(session_env, "compress", "--model", str(tiny_reference_dir), "--calibration", str(tiny_reference_dir),
+               "--ratio", "0.3", "--unit", "block",
                "--iterations", "2", "--n-samples", "4", "--tasks", "pipprune_wordnet_cloze", "--include-path",
-               str(tiny_reference_dir / "tasks"), "--eval-limit", "4", "--name", NAME, "--out", str(out), "--json")
+               str(tiny_reference_dir / "tasks"), "--eval-limit", "4", "--name", NAME, "--out", str(out), "--json",
+               *NO_SERVING)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads(done.stdout[done.stdout.index("{"):])
     from mlflow import MlflowClient

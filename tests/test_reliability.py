@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli, s3_of
+from tests.helpers import NO_SERVING, cli, s3_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,9 +26,9 @@ def env(local_stack, tmp_path_factory):
 
 
 def compress_args(ref: Path, name: str, *extra: str) -> list[str]:
-    return ["compress", "--model", str(ref), "--ratio", "0.2", "--unit", "mlp", "--iterations", "2",
+    return ["compress", "--model", str(ref), "--calibration", str(ref), "--ratio", "0.2", "--unit", "mlp", "--iterations", "2",
             "--n-samples", "4", "--tasks", "pipprune_wordnet_cloze", "--include-path", str(ref / "tasks"),
-            "--eval-limit", "10", "--name", name, "--json", *extra]
+            "--eval-limit", "10", "--name", name, "--json", *NO_SERVING, *extra]
 
 
 def summary_of(done: subprocess.CompletedProcess) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import cli, s3_of
+from tests.helpers import NO_SERVING, cli, s3_of
 
 BUCKET = "signing-tests"
 NAME = "tiny-signed"
@@ -109,9 +109,10 @@ def env(local_stack, tmp_path_factory):
 @pytest.fixture(scope="module")
 def signed(env, tiny_reference_dir, tmp_path_factory):
     """One compress run (1 step, tiny); yields its summary, the version's tags and the exported public key."""
-    done = cli(env, "compress", "--model", str(tiny_reference_dir), "--ratio", "0.2", "--unit", "block",
+    done = cli(env, "compress", "--model", str(tiny_reference_dir), "--calibration", str(tiny_reference_dir),
+               "--ratio", "0.2", "--unit", "block",
                "--iterations", "1", "--n-samples", "4", "--tasks", "pipprune_wordnet_cloze", "--include-path",
-               str(tiny_reference_dir / "tasks"), "--eval-limit", "10", "--name", NAME, "--json")
+               str(tiny_reference_dir / "tasks"), "--eval-limit", "10", "--name", NAME, "--json", *NO_SERVING)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout[done.stdout.index("{"):])
     from mlflow import MlflowClient
