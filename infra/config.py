@@ -51,7 +51,10 @@ class CalibrationSettings(_Group):
 class ScoringSettings(_Group):
     """What is pruned, by which criterion, in how many re-scored steps."""
 
-    unit: PruneTarget = Field("block", description="structural unit: block | attn | mlp | width")
+    # width: on the real model (SmolLM2-135M-Instruct, 3 seeds, README "Quality") uniform width keeps far more of
+    # the model than any block criterion at 10% and 20% removed (PIP KL 0.83 vs the best block set's 1.04 at 0.2)
+    unit: PruneTarget = Field("width", description="structural unit: width (attention head groups and MLP "
+                                                   "channels) | attn | mlp | block (whole decoder layers)")
     method: Method = Field("pip", description="criterion: pip | pip_l2 | pip_first_order | pip_relative | pip_repr | "
                                           "pip_repr_cos | pip_single_view | random | magnitude | taylor | "
                                           "block-influence")
@@ -73,6 +76,15 @@ class ScoringSettings(_Group):
     @classmethod
     def _alias_width_mode(cls, value: object) -> object:
         return value.replace("-", "_") if isinstance(value, str) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unit_follows_a_block_method(cls, data: object) -> object:
+        """A method that scores only whole blocks, named without a unit, prunes blocks (width is the default)."""
+        if isinstance(data, dict) and data.get("unit") is None and isinstance(data.get("method"), str):
+            if data["method"].replace("-", "_") in BLOCK_ONLY_METHODS:
+                return {**data, "unit": "block"}
+        return data
 
     @model_validator(mode="after")
     def _check_method_unit(self) -> ScoringSettings:

@@ -26,6 +26,10 @@ def test_iterations_zero_and_unknown_unit_rejected():
 
 def test_block_influence_alias_and_unit_check():
     assert CompressConfig(**BASE, method="block-influence").scoring.method == "block_influence"
+    # the default unit is width; a block-only method named without a unit prunes blocks
+    assert CompressConfig(**BASE).scoring.unit == "width"
+    assert CompressConfig(**BASE, method="block-influence").scoring.unit == "block"
+    assert CompressConfig(**BASE, method="pip_removal").scoring.unit == "block"
     with pytest.raises(ValidationError, match="block"):
         CompressConfig(**BASE, method="block-influence", unit="mlp")
 
