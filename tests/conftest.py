@@ -68,9 +68,10 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_configure(config) -> None:
-    """With pytest-xdist workers, the controller builds the tiny reference in a thread while the workers start,
-    collect and run the tests that need no model: it holds the file lock before any worker exists, so no worker
-    builds it a second time (built before the workers, it kept both cores busy for 110 s on the critical path)."""
+    """With pytest-xdist workers, the controller builds the tiny reference (every core: 110 s here) in a thread
+    while the workers start, collect and run the tests that need no model (about 45 s of their work; with one
+    thread the build took 130 s and the workers waited for it all the same). The thread holds the file lock
+    before any worker exists, so no worker builds it a second time."""
     workers = getattr(config.option, "numprocesses", None)
     is_worker = hasattr(config, "workerinput")
     wants_models = "not slow" not in (config.getoption("markexpr", "") or "")
@@ -81,7 +82,7 @@ def pytest_configure(config) -> None:
 
 
 class _ReferenceBuild:
-    """The tiny reference built in a controller thread; `start` returns once the thread holds the lock."""
+    """The tiny reference built in a controller thread; made once the thread holds the lock, so no worker builds it."""
 
     def __init__(self) -> None:
         import threading
@@ -93,7 +94,7 @@ class _ReferenceBuild:
 
     def _build(self) -> None:
         try:
-            _tiny_reference(threads=1, on_locked=self.locked.set)
+            _tiny_reference(threads=os.cpu_count(), on_locked=self.locked.set)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread at the end
             self.error = exc
         finally:
