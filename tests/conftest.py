@@ -69,8 +69,8 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     """With pytest-xdist workers, the controller builds the tiny reference (every core: 110 s here) in a thread
-    while the workers start, collect and run the tests that need no model (about 45 s of their work; with one
-    thread the build took 130 s and the workers waited for it all the same). The thread holds the file lock
+    while the workers start, collect and run the tests that need no model (with one thread the build took 130 s
+    and the workers waited for it all the same). The thread holds the file lock
     before any worker exists, so no worker builds it a second time."""
     workers = getattr(config.option, "numprocesses", None)
     is_worker = hasattr(config, "workerinput")
