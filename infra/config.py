@@ -82,7 +82,7 @@ class ScoringSettings(_Group):
     def _unit_follows_a_block_method(cls, data: object) -> object:
         """A method that scores only whole blocks, named without a unit, prunes blocks (width is the default)."""
         if isinstance(data, dict) and data.get("unit") is None and isinstance(data.get("method"), str):
-            if data["method"].replace("-", "_") in BLOCK_ONLY_METHODS:
+            if METHOD_ALIASES.get(data["method"], data["method"]) in BLOCK_ONLY_METHODS:  # the method's own alias rule
                 return {**data, "unit": "block"}
         return data
 
