@@ -103,23 +103,40 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1, as the OS hands it out (a stack on free ports: tests, benchmarks)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+def _outside_ephemeral() -> list[tuple[int, int]]:
+    """Port spans [start, stop) the OS never hands out as the local end of an outgoing connection.
+
+    A server port picked from the ephemeral range can be taken, between a `stack down` and the next
+    `stack up`, by any client's connection (the tests' own HTTP clients among them): the restart is
+    then refused with "port ... is already used by another process".
+    """
+    low, high = 32768, 60999  # Linux's default
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        pass
+    return [span for span in ((10000, low), (high + 1, 65536)) if span[1] - span[0] >= 1000] or [(10000, 65536)]
 
 
 def free_port_range(count: int, also: tuple[int, ...] = ()) -> int:
-    """The first of `count` consecutive free ports on 127.0.0.1 (the embedded S3 server pins a block of them);
-    base + each offset in `also` must be free too (SeaweedFS' admin gRPC port is its admin port + 10000)."""
+    """The first of `count` consecutive free ports on 127.0.0.1, outside the OS's ephemeral range (a stack on
+    free ports: tests, benchmarks; the embedded S3 server pins a block of them); base + each offset in `also`
+    must be free too (SeaweedFS' admin gRPC port is its admin port + 10000)."""
     import random
 
+    reach = max((count - 1, *also))
+    spans = [(start, stop - reach) for start, stop in _outside_ephemeral() if stop - reach > start]
     for _ in range(400):
-        base = random.randint(20000, 65535 - count - max(also, default=0))
+        start, stop = random.choice(spans)
+        base = random.randrange(start, stop)
         if all(_port_free(base + i) for i in (*range(count), *also)):
             return base
-    raise RuntimeError(f"no {count} consecutive free ports found")
+    raise RuntimeError(f"no {count} consecutive free ports found outside the ephemeral range")
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 outside the OS's ephemeral range (see `_outside_ephemeral`)."""
+    return free_port_range(1)
 
 
 def _pid_alive(pid: int | None) -> bool:

@@ -68,10 +68,10 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_configure(config) -> None:
-    """With pytest-xdist workers, the controller builds the tiny reference (every core: 110 s here) in a thread
-    while the workers start, collect and run the tests that need no model (with one thread the build took 130 s
-    and the workers waited for it all the same). The thread holds the file lock
-    before any worker exists, so no worker builds it a second time."""
+    """With pytest-xdist workers, the controller builds the reference data and then the tiny reference (one thread:
+    130 s here) in a thread while the workers start, collect and run the tests that need no tiny model: the pure
+    ones, the stack's own, and the real GGUF run, which uses the data only. The thread holds both file locks
+    before any worker exists, so no worker builds either a second time."""
     workers = getattr(config.option, "numprocesses", None)
     is_worker = hasattr(config, "workerinput")
     wants_models = "not slow" not in (config.getoption("markexpr", "") or "")
@@ -93,8 +93,8 @@ class _ReferenceBuild:
         self.locked.wait()
 
     def _build(self) -> None:
-        try:
-            _tiny_reference(threads=os.cpu_count(), on_locked=self.locked.set)
+        try:  # both locks held before the workers start: the data first (seconds), then the model
+            _tiny_reference(on_locked=lambda: _reference_data(on_locked=self.locked.set))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread at the end
             self.error = exc
         finally:
@@ -123,6 +123,38 @@ class _DurationRecord:
             DURATIONS.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: -kv[1])), indent=1) + "\n")
 
 
+def _reference_data(on_locked: Callable[[], None] | None = None) -> Path:
+    """The part of a reference that needs no model (infra.reference.build.write_reference_data: calibration windows,
+    word list, lm-eval tasks), from the same corpus, under a file lock; seconds to make, so the tests that bring
+    their own model (a GGUF file) run while the tiny reference trains. `on_locked`: called once the lock is held."""
+    from filelock import FileLock
+
+    out = ROOT / ".pipprune" / "test-cache" / f"data-{builder_digest()}"
+    done = out / ".complete"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if on_locked is not None:
+            on_locked()
+        if not done.is_file():
+            import shutil
+
+            from infra.reference.build import write_reference_data
+            from infra.reference.corpus import build_corpus
+
+            shutil.rmtree(out, ignore_errors=True)  # a test-cache folder of a build that stopped part-way
+            out.mkdir()
+            corpus = build_corpus(ROOT / ".pipprune" / "cache")
+            write_reference_data(out, corpus.train_texts(), corpus.heldout.read_text(), seed=0)
+            done.write_text("")
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference_data_dir() -> Path:
+    """Calibration data and lm-eval tasks of the reference corpus, without a model (see `_reference_data`)."""
+    return _reference_data()
+
+
 @pytest.fixture(scope="session")
 def tiny_reference_dir() -> Path:
     """Path to a built `tiny` reference model, reused across runs (see `_tiny_reference`)."""
@@ -133,9 +165,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     """Tests that use the stack are marked `stack`, and those that build or load models `slow`, whatever their
     module says, so `make test-fast` (-m "not stack and not slow") is only pure unit tests.
 
-    Then the order in which `--dist loadfile` hands files out: files that need no model first (they run while the
-    reference builds), then the slowest files by the recorded seconds (a long file handed out last keeps one
-    worker busy alone at the end); inside a file, its tests that need no model first, otherwise as written."""
+    Then the order in which `--dist loadfile` hands files out: files that need no tiny reference first (they run
+    while it trains), then the others; in each group the slowest files first by the recorded seconds (a long file
+    handed out last keeps one worker busy alone at the end); inside a file, its tests that need no tiny reference
+    first, otherwise as written."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if names & {"local_stack", "stack_env"}:
@@ -150,11 +183,14 @@ def pytest_collection_modifyitems(config, items) -> None:
     def slow(item) -> bool:
         return item.get_closest_marker("slow") is not None
 
+    def waits(item) -> bool:  # on the tiny reference the controller trains at the start (see _ReferenceBuild)
+        return "tiny_reference_dir" in getattr(item, "fixturenames", ())
+
     def seconds(path: str) -> float:  # a file not recorded yet: about 15 s per test that needs a model
         return recorded.get(path, 15.0 * sum(slow(items[i]) for i in files[path]))
 
-    rank = {path: (any(slow(items[i]) for i in idx), -seconds(path), idx[0]) for path, idx in files.items()}
-    order = sorted(range(len(items)), key=lambda i: (rank[items[i].nodeid.split("::")[0]], slow(items[i]), i))
+    rank = {path: (any(waits(items[i]) for i in idx), -seconds(path), idx[0]) for path, idx in files.items()}
+    order = sorted(range(len(items)), key=lambda i: (rank[items[i].nodeid.split("::")[0]], waits(items[i]), i))
     items[:] = [items[i] for i in order]
 
 

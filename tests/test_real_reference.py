@@ -19,7 +19,7 @@ from tests.helpers import cli
 
 @pytest.mark.slow
 @pytest.mark.stack
-def test_the_real_gguf_compresses_registers_and_traces_back_to_its_file(stack_env, tiny_reference_dir, tmp_path):
+def test_the_real_gguf_compresses_registers_and_traces_back_to_its_file(stack_env, reference_data_dir, tmp_path):
     from transformers import LlamaForCausalLM
 
     gguf = gguf_path(PRETRAINED["smollm2-135m"])  # the wheel must be installed: make install does it
@@ -29,9 +29,9 @@ def test_the_real_gguf_compresses_registers_and_traces_back_to_its_file(stack_en
     settings = tmp_path / "light.yaml"
     settings.write_text("serving: {measure: false}\nheldout_samples: 4\n")
     done = cli(env, "compress", "--model", str(gguf), "--config", str(settings),
-               "--calibration", str(tiny_reference_dir), "--unit", "block",
+               "--calibration", str(reference_data_dir), "--unit", "block",
                "--method", "block-influence", "--ratio", "0.05", "--iterations", "1", "--n-samples", "4",
-               "--tasks", "pipprune_wordnet_cloze", "--include-path", str(tiny_reference_dir / "tasks"),
+               "--tasks", "pipprune_wordnet_cloze", "--include-path", str(reference_data_dir / "tasks"),
                "--eval-limit", "4", "--name", "real-gguf", "--out", str(out), "--json", timeout=1800)
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout)

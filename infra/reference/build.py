@@ -106,15 +106,7 @@ def build_reference(size: str, out_dir: Path, cache_dir: Path, seed: int = 0, pr
     heldout_text = corpus.heldout.read_text()
     heldout = perplexity(model, tokenizer, persuasion_chunks(heldout_text, words=120, n=40), max_length=seq_len)
 
-    task_paths = write_tasks(tmp / "tasks", heldout_text, seed=seed)
-    calib_dir = tmp / "calibration"
-    calib_dir.mkdir()
-    rows = []
-    for source, text in sorted(texts.items()):
-        for window in windows(text.split("\n\n"), words_per_window=64, n=256, seed=seed):
-            rows.append({"text": window, "source": source})
-    (calib_dir / "calibration.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    WordList.from_texts(texts.values(), min_count=3).write(calib_dir / "wordlist.txt")
+    task_paths, n_windows = write_reference_data(tmp, texts, heldout_text, seed)
 
     manifest = {
         "name": f"pipprune-reference-{size}",
@@ -131,7 +123,7 @@ def build_reference(size: str, out_dir: Path, cache_dir: Path, seed: int = 0, pr
         "heldout_perplexity": heldout["perplexity"],
         "uniform_perplexity": float(len(tokenizer)),
         "tasks": {name: str(path.relative_to(tmp)) for name, path in task_paths.items()},
-        "calibration_windows": len(rows),
+        "calibration_windows": n_windows,
         "environment": {"python": platform.python_version(), "torch": torch.__version__},
     }
     # the YAMLs point at data inside `tmp`: rewrite them for the final location
@@ -144,6 +136,26 @@ def build_reference(size: str, out_dir: Path, cache_dir: Path, seed: int = 0, pr
     tmp.rename(out_dir)
     log.info("reference %s: %d params, held-out ppl %.1f", size, manifest["num_parameters"], heldout["perplexity"])
     return manifest
+
+
+def write_reference_data(out_dir: Path, texts: dict[str, str], heldout_text: str,
+                         seed: int = 0) -> tuple[dict[str, Path], int]:
+    """The part of a reference that needs no model: `tasks/` (held-out lm-eval tasks) and `calibration/`
+    (windows of every training source, the word list the perturber checks edits against).
+
+    Returns the task YAML paths and the number of calibration windows. Separate so that tests which bring
+    their own model (a GGUF file, a random-init family) can have the same data without training one.
+    """
+    task_paths = write_tasks(out_dir / "tasks", heldout_text, seed=seed)
+    calib_dir = out_dir / "calibration"
+    calib_dir.mkdir()
+    rows = []
+    for source, text in sorted(texts.items()):
+        for window in windows(text.split("\n\n"), words_per_window=64, n=256, seed=seed):
+            rows.append({"text": window, "source": source})
+    (calib_dir / "calibration.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    WordList.from_texts(texts.values(), min_count=3).write(calib_dir / "wordlist.txt")
+    return task_paths, len(rows)
 
 
 def reference_names() -> list[str]:
