@@ -58,10 +58,12 @@ lint: install
 # Two pytest workers (pytest-xdist): most tests wait on servers and subprocesses, so two share the 2 cores
 # well; each worker starts its own stack, and torch runs one thread per process so they do not oversubscribe.
 # --dist loadfile: a module's tests stay together on one worker (module fixtures are built once); files go out
-# slowest first by tests/durations.json, which `make test-durations` records anew (commit it when files change).
+# in the order tests/conftest.py gives them (those that need no tiny reference first, then slowest first by
+# tests/durations.json, which `make test-durations` records anew: commit it when files change).
+# --no-loadscope-reorder: otherwise xdist hands out the files with the most tests first, whatever that order.
 TEST_WORKERS ?= 2
 PYTEST_SUITE = OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 -n $(TEST_WORKERS) \
-	--dist loadfile
+	--dist loadfile --no-loadscope-reorder
 test: install data lint
 	$(PYTEST_SUITE)
 
@@ -141,7 +143,7 @@ REAL_block_METHODS := pip_l2,block_influence,taylor,pip_removal,magnitude,random
 REAL_width_METHODS := pip_l2,taylor,magnitude,random,pip_first_order,pip_single_view
 REAL_block_RATIO_METHODS := pip_l2,block_influence,taylor
 REAL_width_RATIO_METHODS := pip_l2,taylor,random
-.PHONY: bench-real bench-real-block bench-real-width bench-real-report
+.PHONY: bench-real bench-real-block bench-real-width bench-real-report bench-real-rate
 $(REAL_MODEL)/manifest.json: | $(VENV)/.installed
 	$(BIN)/pipprune reference build --size smollm2-135m --out $(REF_REAL)
 # one chain per unit kind: ratio 0.2 first, then 0.1 and 0.3
@@ -164,9 +166,17 @@ bench-real-report:
 		--resume $(STATE)/smollm2-runs.jsonl --report-only --name divergence_smollm2_width_ratios
 	rm -f benchmarks/results/divergence_smollm2_*_chain*
 	$(BIN)/python -m benchmarks.report
+# The perturbation-rate axis on the real model: width units (the default), ratio 0.2, rates 0.05 / 0.15 (the
+# default) / 0.3 at each seed, each against the same calibration draw without perturbation (pip_single_view);
+# resumable like the grid (ablation_smollm2_rate.jsonl), so with every run in the file it only writes the tables.
+bench-real-rate: install data $(REAL_MODEL)/manifest.json
+	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.ablation --model $(REAL_MODEL) --axes rate --units width --ratio 0.2 \
+		--seeds $(REAL_SEEDS) --rates 0.05,0.15,0.3 --baseline pip_single_view --threads 1 \
+		--heldout persuasion,wordnet --resume $(REAL_RUNS)/ablation_smollm2_rate.jsonl --name ablation_smollm2_rate
 bench-real:
 	$(MAKE) -j2 bench-real-block bench-real-width
 	$(MAKE) bench-real-report
+	$(MAKE) bench-real-rate
 
 # External peer (Torch-Pruning) in its own venv: torch-pruning 1.6.x hangs on GQA Llama
 # (VainF/Torch-Pruning#527) and its LLM example targets transformers 4.x; pipprune needs >= 4.56.

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
-from benchmarks.divergence import N_BOOT, ci, heldout_texts, kl_comparison, metric_intervals, prune_and_measure
+from benchmarks.divergence import N_BOOT, ci, heldout_texts, kl_comparison, metric_intervals, model_identity, prune_and_measure
 
 #: the ablated settings, in the order their tables are shown
 AXES = ("rate", "iterations", "pairs")
@@ -213,11 +213,13 @@ def main() -> None:
     base, tokenizer = io.load(args.model)
     sets = {h: heldout_texts(args.model, h) for h in args.heldout.split(",")}
     done: dict[str, dict] = {}
+    identity = model_identity(args.model)  # a committed runs file is reused from any checkout path
     if args.resume and args.resume.is_file():
         for line in args.resume.read_text().splitlines():
             if line.strip():
                 record = json.loads(line)
-                if record["model"] == str(args.model) and record["digests"] == {h: d for h, (_, d) in sets.items()}:
+                same = record.get("model_id", record["model"]) in (identity, str(args.model))
+                if same and record["digests"] == {h: d for h, (_, d) in sets.items()}:
                     done[record["key"]] = record["runs"]
     runs: dict[str, list[dict]] = {h: [] for h in sets}
     for unit in args.units.split(","):
@@ -234,7 +236,7 @@ def main() -> None:
                     done[key] = measured
                     if args.resume:
                         with args.resume.open("a") as fh:
-                            fh.write(json.dumps({"key": key, "model": str(args.model), "runs": measured,
+                            fh.write(json.dumps({"key": key, "model": str(args.model), "model_id": identity, "runs": measured,
                                                  "digests": {h: d for h, (_, d) in sets.items()}}) + "\n")
                 for held, run in done[key].items():
                     runs[held].append(run)
