@@ -17,7 +17,7 @@ DEMO_PAIRS ?= 32
 DEMO_EVAL ?= --tasks pipprune_wordnet_cloze --include-path $(REF_REAL)/tasks --eval-limit 100
 DEMO_RECOVERY ?= --recovery-steps 12 --recovery kd
 
-.PHONY: install data lint demo test test-durations test-fast stack-down clean-state bench bench-serving peer-venv bench-peer docs-screenshots
+.PHONY: install data lint demo test test-fast stack-down clean-state bench bench-serving peer-venv bench-peer docs-screenshots
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -57,18 +57,11 @@ lint: install
 
 # Two pytest workers (pytest-xdist): most tests wait on servers and subprocesses, so two share the 2 cores
 # well; each worker starts its own stack, and torch runs one thread per process so they do not oversubscribe.
-# --dist loadfile: a module's tests stay together on one worker (module fixtures are built once); files go out
-# in the order tests/conftest.py gives them (those that need no tiny reference first, then slowest first by
-# tests/durations.json, which `make test-durations` records anew: commit it when files change).
-# --no-loadscope-reorder: otherwise xdist hands out the files with the most tests first, whatever that order.
+# --dist loadfile: a module's tests stay together on one worker (module fixtures are built once); xdist hands out
+# the files with the most tests first (an explicit slowest-first order, --no-loadscope-reorder, measured slower).
 TEST_WORKERS ?= 2
-PYTEST_SUITE = OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 -n $(TEST_WORKERS) \
-	--dist loadfile --no-loadscope-reorder
 test: install data lint
-	$(PYTEST_SUITE)
-
-test-durations: install data lint
-	$(PYTEST_SUITE) --record-durations
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 # The inner loop: pure unit tests (no servers, no reference model build), slowest printed.
 test-fast: install
