@@ -18,7 +18,10 @@ CANDIDATE_SEEDS = ("divergence_smollm2_block_seeds", "divergence_smollm2_block_s
 #: the real-model grid (make bench-real: every method at block and width 0.2, seeds 0,1,2; tables from its runs files)
 REAL_GRID = tuple(f"divergence_smollm2_{unit}{cell}{held}" for unit in ("block", "width") for cell in ("", "_ratios")
                   for held in ("", "_wordnet"))
-ORDER = [*REAL_GRID, *CANDIDATES, *CANDIDATE_SEEDS, "divergence_smollm2_block_paper_schedule",
+#: the real model's perturbation-rate axis (make bench-real-rate) and the default's recovery curve
+REAL_RATE = ("ablation_smollm2_rate", "ablation_smollm2_rate_wordnet")
+REAL_RECOVERY = ("recovery_curve_smollm2_width",)
+ORDER = [*REAL_GRID, *REAL_RATE, *REAL_RECOVERY, *CANDIDATES, *CANDIDATE_SEEDS, "divergence_smollm2_block_paper_schedule",
          "divergence_small", "divergence_small_wordnet", "divergence_small_block_seeds", "divergence_small_block_seeds_wordnet",
          "divergence_small_block_seeds_deep", "divergence_small_block_seeds_deep_wordnet",
          "divergence_small_32pairs", "divergence_small_32pairs_wordnet", "divergence_small_32pairs_block_seeds",
@@ -37,7 +40,9 @@ ORDER = [*REAL_GRID, *CANDIDATES, *CANDIDATE_SEEDS, "divergence_smollm2_block_pa
 RENDERERS = {"recovery_compare": ("benchmarks.recovery", "compare_table"),
              **{n: ("benchmarks.ablation", "render") for n in ("ablation", "ablation_wordnet", "ablation_seeds",
                                                                "ablation_seeds_wordnet", "ablation_block_0.1",
-                                                               "ablation_block_0.1_wordnet")}}
+                                                               "ablation_block_0.1_wordnet", *REAL_RATE)}}
+#: the quality issue's usable-model target: perplexity ratio, share of the dense cloze accuracy, recovery seconds
+USABLE = {"ppl_ratio": 1.5, "cloze_retained": 0.85, "train_seconds": 20 * 60}
 
 HEADER = """# pipprune benchmarks
 
@@ -119,6 +124,27 @@ def _divergence_rows(name: str, result: dict) -> list[str]:
     return rows
 
 
+def _recovery_rows(result: dict) -> list[str]:
+    """Per held-out set: the cheapest recovery of the curve that meets USABLE, or the closest one when none does."""
+    args, rows = result["args"], []
+    for held, summary in result["summary"].items():
+        points = []
+        for c in result["curve"]:
+            ratio = summary["variants"][c["recovery"]]["ppl_ratio"]["point"]
+            ok = (ratio <= USABLE["ppl_ratio"] and (c.get("cloze_retained") or 0) >= USABLE["cloze_retained"]
+                  and c["train_seconds"] <= USABLE["train_seconds"])
+            points.append((not ok, c["train_seconds"] if ok else ratio, c, ratio))
+        _, _, best, ratio = min(points, key=lambda p: p[:2])
+        met = ratio <= USABLE["ppl_ratio"] and (best.get("cloze_retained") or 0) >= USABLE["cloze_retained"]
+        cloze = f", cloze {best['cloze_retained']:.0%} of dense" if best.get("cloze_retained") is not None else ""
+        rows.append(f"| usable after recovery: perplexity <= x{USABLE['ppl_ratio']} and cloze >= "
+                    f"{USABLE['cloze_retained']:.0%} of dense within {USABLE['train_seconds'] // 60} min "
+                    f"({reference_name(args['model'])}{args['unit']} {args['method']} {args['ratio']}, {held}) | "
+                    f"{best['recovery']}: x{ratio:.2f}{cloze}, {best['train_seconds']:.0f} s | "
+                    f"{'met' if met else 'missed'} |")
+    return rows
+
+
 def targets() -> list[str]:
     lines = ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
     quality, cost, overhead, inference = _load("quality"), _load("cost"), _load("overhead"), _load("inference")
@@ -126,6 +152,9 @@ def targets() -> list[str]:
         result = _load(name)
         if result and result.get("verdicts"):
             lines += _divergence_rows(result["heldout"], result)
+    for name in REAL_RECOVERY:
+        if (result := _load(name)) is not None:
+            lines += _recovery_rows(result)
     if quality:
         lines += _quality_rows(quality)
     if cost:

@@ -1,0 +1,30 @@
+"""The results README's recovery target row: computed from the curve's JSON, cheapest passing recovery first."""
+
+from __future__ import annotations
+
+from benchmarks.report import _recovery_rows
+
+
+def _result() -> dict:
+    def variant(ratio: float) -> dict:
+        return {"ppl_ratio": {"point": ratio, "low": ratio, "high": ratio}}
+
+    curve = [{"recovery": "none", "train_seconds": 0.0, "cloze_retained": 0.88},
+             {"recovery": "lora_lm@10", "train_seconds": 35.0, "cloze_retained": 0.94},
+             {"recovery": "kd_full@40", "train_seconds": 290.0, "cloze_retained": 0.93},
+             {"recovery": "lora_lm@40", "train_seconds": 2000.0, "cloze_retained": 0.95}]
+    return {"args": {"model": ".pipprune/reference/smollm2-135m", "unit": "width", "method": "pip", "ratio": 0.2},
+            "curve": curve,
+            "summary": {"persuasion": {"variants": {"none": variant(2.0), "lora_lm@10": variant(1.46),
+                                                    "kd_full@40": variant(1.41), "lora_lm@40": variant(1.2)}},
+                        "wordnet": {"variants": {"none": variant(4.4), "lora_lm@10": variant(3.1),
+                                                 "kd_full@40": variant(2.8), "lora_lm@40": variant(2.6)}}}}
+
+
+def test_the_cheapest_recovery_meeting_the_target_is_named_else_the_closest_and_missed():
+    persuasion, wordnet = _recovery_rows(_result())
+    # lora_lm@10 is the cheapest that passes; lora_lm@40 is lower but over the 20-minute budget
+    assert "(smollm2, width pip 0.2, persuasion)" in persuasion
+    assert "| lora_lm@10: x1.46, cloze 94% of dense, 35 s | met |" in persuasion
+    # nothing reaches x1.5 on wordnet: the lowest ratio is shown, and the row is missed
+    assert "| lora_lm@40: x2.60, cloze 95% of dense, 2000 s | missed |" in wordnet
