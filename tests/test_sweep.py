@@ -138,7 +138,8 @@ def test_sweep_on_a_process_work_pool_with_two_workers(stack_env, tiny_reference
     before a point is dispatched, the same for a pool and for subflows: the local sweep test covers it.)"""
     import json
 
-    env = {**os.environ, **stack_env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # the workers ask for runs every 2 s instead of Prefect's 10 (both pytest workers sat idle in such polls)
+    env = {**os.environ, **stack_env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "2"}
     prefect = [sys.executable, "-m", "prefect"]
     made = subprocess.run([*prefect, "work-pool", "create", "sweep-pool", "--type", "process"], env=env,
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
