@@ -28,3 +28,10 @@ def test_the_cheapest_recovery_meeting_the_target_is_named_else_the_closest_and_
     assert "| lora_lm@10: x1.46, cloze 94% of dense, 35 s | met |" in persuasion
     # nothing reaches x1.5 on wordnet: the lowest ratio is shown, and the row is missed
     assert "| lora_lm@40: x2.60, cloze 95% of dense, 2000 s | missed |" in wordnet
+
+
+def test_a_recovery_over_the_time_budget_never_meets_the_target():
+    result = _result()
+    result["curve"] = [c for c in result["curve"] if c["recovery"] in ("none", "lora_lm@40")]
+    persuasion, _ = _recovery_rows(result)  # x1.2 and 95% of the cloze, but 2000 s of training
+    assert "| lora_lm@40: x1.20, cloze 95% of dense, 2000 s | missed |" in persuasion

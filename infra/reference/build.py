@@ -144,7 +144,7 @@ def write_reference_data(out_dir: Path, texts: dict[str, str], heldout_text: str
     (windows of every training source, the word list the perturber checks edits against).
 
     Returns the task YAML paths and the number of calibration windows. Separate so that tests which bring
-    their own model (a GGUF file, a random-init family) can have the same data without training one.
+    their own model (a GGUF file) can have the same data without training one.
     """
     task_paths = write_tasks(out_dir / "tasks", heldout_text, seed=seed)
     calib_dir = out_dir / "calibration"
