@@ -79,7 +79,8 @@ bench-serving: install
 stack-down:
 	$(BIN)/pipprune stack down
 
-bench: install data
+# The benchmarks of the references trained here (tiny, small): hours, most of them the small reference's build.
+bench-trained: install data
 	$(BIN)/pipprune reference build --size small --out $(STATE)/reference/small
 	$(BIN)/pipprune reference build --size tiny --out $(REF_TINY)
 	$(BIN)/python -m benchmarks.divergence --model $(STATE)/reference/small --units block,width \
@@ -128,6 +129,8 @@ bench: install data
 # the tables are made from the files alone (--report-only: what has not run yet is listed, never computed).
 REAL_RUNS ?= benchmarks/results/runs
 REAL_SEEDS ?= 0,1,2
+# the runs files and tables are named after it: <tag>_{block,width}.jsonl, divergence_<tag>_*, ablation_<tag>_rate
+REAL_TAG ?= smollm2
 REAL_MODEL := $(abspath $(REF_REAL))
 REAL_DIV = OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.divergence --model $(REAL_MODEL) --pairs 32 --iterations 2 \
 	--threads 1 --heldout persuasion,wordnet --seeds $(REAL_SEEDS)
@@ -142,22 +145,22 @@ $(REAL_MODEL)/manifest.json: | $(VENV)/.installed
 # one chain per unit kind: ratio 0.2 first, then 0.1 and 0.3
 bench-real-block bench-real-width: bench-real-%: install data $(REAL_MODEL)/manifest.json
 	mkdir -p $(REAL_RUNS)
-	$(REAL_DIV) --units $* --ratios 0.2 --methods $(REAL_$*_METHODS) --resume $(REAL_RUNS)/smollm2_$*.jsonl \
-		--name divergence_smollm2_$*_chain
+	$(REAL_DIV) --units $* --ratios 0.2 --methods $(REAL_$*_METHODS) --resume $(REAL_RUNS)/$(REAL_TAG)_$*.jsonl \
+		--name divergence_$(REAL_TAG)_$*_chain
 	$(REAL_DIV) --units $* --ratios 0.1,0.3 --methods $(REAL_$*_RATIO_METHODS) \
-		--resume $(REAL_RUNS)/smollm2_$*.jsonl --name divergence_smollm2_$*_chain
+		--resume $(REAL_RUNS)/$(REAL_TAG)_$*.jsonl --name divergence_$(REAL_TAG)_$*_chain
 # the tables, from the committed runs files alone (the chains' own *_chain tables are scratch)
 bench-real-report:
-	cat $(REAL_RUNS)/smollm2_block.jsonl $(REAL_RUNS)/smollm2_width.jsonl > $(STATE)/smollm2-runs.jsonl
-	$(REAL_DIV) --units block --ratios 0.2 --methods $(REAL_block_METHODS) --resume $(STATE)/smollm2-runs.jsonl \
-		--report-only --name divergence_smollm2_block
-	$(REAL_DIV) --units width --ratios 0.2 --methods $(REAL_width_METHODS) --resume $(STATE)/smollm2-runs.jsonl \
-		--report-only --name divergence_smollm2_width
+	cat $(REAL_RUNS)/$(REAL_TAG)_block.jsonl $(REAL_RUNS)/$(REAL_TAG)_width.jsonl > $(STATE)/$(REAL_TAG)-runs.jsonl
+	$(REAL_DIV) --units block --ratios 0.2 --methods $(REAL_block_METHODS) --resume $(STATE)/$(REAL_TAG)-runs.jsonl \
+		--report-only --name divergence_$(REAL_TAG)_block
+	$(REAL_DIV) --units width --ratios 0.2 --methods $(REAL_width_METHODS) --resume $(STATE)/$(REAL_TAG)-runs.jsonl \
+		--report-only --name divergence_$(REAL_TAG)_width
 	$(REAL_DIV) --units block --ratios 0.1,0.3 --methods $(REAL_block_RATIO_METHODS) \
-		--resume $(STATE)/smollm2-runs.jsonl --report-only --name divergence_smollm2_block_ratios
+		--resume $(STATE)/$(REAL_TAG)-runs.jsonl --report-only --name divergence_$(REAL_TAG)_block_ratios
 	$(REAL_DIV) --units width --ratios 0.1,0.3 --methods $(REAL_width_RATIO_METHODS) \
-		--resume $(STATE)/smollm2-runs.jsonl --report-only --name divergence_smollm2_width_ratios
-	rm -f benchmarks/results/divergence_smollm2_*_chain*
+		--resume $(STATE)/$(REAL_TAG)-runs.jsonl --report-only --name divergence_$(REAL_TAG)_width_ratios
+	rm -f benchmarks/results/divergence_$(REAL_TAG)_*_chain*
 	$(BIN)/python -m benchmarks.report
 # The perturbation-rate axis on the real model: width units (the default), ratio 0.2, rates 0.05 / 0.15 (the
 # default) / 0.3 at each seed, each against the same calibration draw without perturbation (pip_single_view);
@@ -165,11 +168,36 @@ bench-real-report:
 bench-real-rate: install data $(REAL_MODEL)/manifest.json
 	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.ablation --model $(REAL_MODEL) --axes rate --units width --ratio 0.2 \
 		--seeds $(REAL_SEEDS) --rates 0.05,0.15,0.3 --baseline pip_single_view --threads 1 \
-		--heldout persuasion,wordnet --resume $(REAL_RUNS)/ablation_smollm2_rate.jsonl --name ablation_smollm2_rate
+		--heldout persuasion,wordnet --resume $(REAL_RUNS)/ablation_$(REAL_TAG)_rate.jsonl --name ablation_$(REAL_TAG)_rate
 bench-real:
 	$(MAKE) -j2 bench-real-block bench-real-width
 	$(MAKE) bench-real-report
 	$(MAKE) bench-real-rate
+
+# make bench: the real-model tables of the quality issue (verdict grid, perturbation rate, recovery curve) at one
+# calibration seed, from scratch, within 90 minutes on a 2-core machine (estimated from the grid's own run times:
+# about 45 min for the two grid chains, then the rate axis beside the recovery curve, one thread each). Runs and
+# tables go to *_smollm2_seed0* names, so the committed three-seed tables are never overwritten; `make bench-real`
+# is the full three-seed sweep (resumable), `make bench-trained` the benchmarks of the trained references. A stopped
+# `make bench` resumes from $(BENCH_RUNS) (a clean clone starts with none).
+BENCH_TAG := smollm2_seed0
+BENCH_RUNS := $(STATE)/bench-runs
+BENCH_SETTINGS := REAL_SEEDS=0 REAL_TAG=$(BENCH_TAG) REAL_RUNS=$(BENCH_RUNS) \
+	REAL_block_METHODS=pip_l2,block_influence,taylor,random,magnitude,pip_single_view \
+	REAL_width_METHODS=pip_l2,taylor,random,magnitude,pip_single_view \
+	REAL_block_RATIO_METHODS=pip_l2,block_influence REAL_width_RATIO_METHODS=pip_l2,taylor
+.PHONY: bench bench-recovery-seed0
+bench: install data $(REAL_MODEL)/manifest.json
+	$(MAKE) -j2 bench-real-block bench-real-width $(BENCH_SETTINGS)
+	$(MAKE) -j2 bench-real-rate bench-recovery-seed0 $(BENCH_SETTINGS)
+	$(MAKE) bench-real-report $(BENCH_SETTINGS)
+# the default (width, pip) at 0.2, then no recovery, LoRA on the LM loss and LoRA KD at 10 and 20 steps (full-weight
+# KD and 40 steps: make bench-real's curve commands in the README)
+bench-recovery-seed0: install data $(REAL_MODEL)/manifest.json
+	mkdir -p $(BENCH_RUNS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.recovery --compare --model $(REAL_MODEL) --steps 10,20 \
+		--variants none,lora_lm,kd_lora --method pip --unit width --ratio 0.2 --seeds 0 --cloze-limit 100 --threads 1 \
+		--resume $(BENCH_RUNS)/recovery.jsonl --name recovery_curve_$(BENCH_TAG)
 
 # External peer (Torch-Pruning) in its own venv: torch-pruning 1.6.x hangs on GQA Llama
 # (VainF/Torch-Pruning#527) and its LLM example targets transformers 4.x; pipprune needs >= 4.56.

@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=32, help="--compare: calibration pairs of the pruning")
     parser.add_argument("--cloze-limit", type=int, default=0,
                         help="--compare: WordNet cloze items per model (lm-eval; 0: off)")
+    parser.add_argument("--variants", default="none,lora_lm,kd_lora,kd_full",
+                        help="--compare: the recoveries run (a comma list of none, lora_lm, kd_lora, kd_full)")
     parser.add_argument("--resume", type=Path, default=None, help="--compare: JSONL of finished recovery runs")
     parser.add_argument("--name", default="recovery_compare", help="--compare: result name")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -118,6 +120,15 @@ def budgets(steps: str | int) -> list[int]:
     return values
 
 
+def chosen(names: str) -> list[tuple]:
+    """The VARIANTS named in --variants ('none,lora_lm'), in VARIANTS' order."""
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    unknown = wanted - {v[0] for v in VARIANTS}
+    if unknown or not wanted:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; use a comma list of {', '.join(v[0] for v in VARIANTS)}")
+    return [v for v in VARIANTS if v[0] in wanted]
+
+
 def run_label(run: dict) -> str:
     """A run's row: its variant, and its budget when the result sweeps several (`kd_lora@40`)."""
     return run["variant"] if run["variant"] == "none" or run.get("steps") is None else f"{run['variant']}@{run['steps']}"
@@ -156,7 +167,7 @@ def compare(args: argparse.Namespace) -> None:
     from pip_core import io, schedule
     from pip_core.importance import CalibrationData
 
-    seeds, steps_list = [int(s) for s in args.seeds.split(",")], budgets(args.steps)
+    seeds, steps_list, variants = [int(s) for s in args.seeds.split(",")], budgets(args.steps), chosen(args.variants)
     config = _resume_config(args)
     done = _load_runs(args.resume, config)
     scratch = Path(tempfile.mkdtemp())
@@ -174,7 +185,7 @@ def compare(args: argparse.Namespace) -> None:
     runs = []
     for seed in seeds:
         for steps in steps_list:
-            for name, kind, params in VARIANTS:
+            for name, kind, params in variants:
                 if name == "none" and (seed != seeds[0] or steps != steps_list[0]):
                     continue  # no training: the same model for every seed and budget
                 key = f"{name}|{seed}|{steps}"

@@ -47,7 +47,8 @@ USABLE = {"ppl_ratio": 1.5, "cloze_retained": 0.85, "train_seconds": 20 * 60}
 HEADER = """# pipprune benchmarks
 
 All figures were measured on the project's 2-core CPU machine (no GPU) except the "GPU check" section; the JSON beside each table
-holds every run, the environment and the arguments. Regenerate: `make bench` and `make bench-peer`
+holds every run, the environment and the arguments. Regenerate: `make bench-real` (the real model, resumable from
+the committed runs files), `make bench-trained` (the trained references) and `make bench-peer`
 (or each `python -m benchmarks.<name>`), then `python -m benchmarks.report`. Ratios are measured
 within one run because the machine is shared and noisy. `benchmarks/gpu_check.sh` is the GPU check
 (run on a lent H200: `benchmarks/results/gpu_check.json`).
@@ -226,7 +227,7 @@ NOTES = """## What the KL tables say (figures in the tables below; verdicts in t
   magnitude at 0.1 (three seeds), but pooled over three seeds (`divergence_small_block_seeds_deep*`)
   ShortGPT block influence removes a better set at 0.2 on Persuasion (better than Taylor there), and
   both Taylor and block influence remove a better set at 0.3 on both held-out sets. At 32 pairs
-  (`divergence_small_32pairs*`, kept from the first run; `make bench` does not rerun it) PIP's block
+  (`divergence_small_32pairs*`, kept from the first run; `make bench-trained` does not rerun it) PIP's block
   sets were better than or as good as every baseline's at every ratio (seed 0). PIP's block ranking moves
   with the calibration sample more than the baselines' do: the issue's target (every cell, both
   references, one default) is not met by any pair count measured.
