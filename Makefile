@@ -59,9 +59,12 @@ lint: install
 # well; each worker starts its own stack, and torch runs one thread per process so they do not oversubscribe.
 # --dist loadfile: a module's tests stay together on one worker (module fixtures are built once); xdist hands out
 # the files with the most tests first (an explicit slowest-first order, --no-loadscope-reorder, measured slower).
+# OMP_WAIT_POLICY=PASSIVE: the controller's tiny-model build runs two torch threads beside the two workers; waiting
+# threads sleep instead of spinning on cores the workers need.
 TEST_WORKERS ?= 2
 test: install data lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 \
+		-n $(TEST_WORKERS) --dist loadfile
 
 # The inner loop: pure unit tests (no servers, no reference model build), slowest printed.
 test-fast: install

@@ -21,7 +21,7 @@ def _default_model() -> Path:
     """The small reference when built, else the tiny reference the tests build."""
     if (DEFAULT_MODEL / "config.json").is_file():
         return DEFAULT_MODEL
-    tiny = sorted((ROOT / ".pipprune" / "test-cache").glob("tiny-*/config.json"))
+    tiny = sorted((ROOT / ".pipprune" / "test-cache").glob("tiny*/config.json"))
     if not tiny:
         raise SystemExit("no reference model: run `pipprune reference build` (or the tests) first, or pass --model")
     return tiny[-1].parent

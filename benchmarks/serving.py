@@ -23,7 +23,7 @@ def default_model() -> Path:
     built = ROOT / ".pipprune" / "reference" / "tiny"
     if (built / "config.json").is_file():
         return built
-    cached = sorted((ROOT / ".pipprune" / "test-cache").glob("tiny-*/config.json"), key=lambda p: p.stat().st_mtime)
+    cached = sorted((ROOT / ".pipprune" / "test-cache").glob("tiny*/config.json"), key=lambda p: p.stat().st_mtime)
     if not cached:
         raise SystemExit("no tiny reference model: run `pipprune reference build --size tiny --out .pipprune/reference/tiny`")
     return cached[-1].parent

@@ -8,6 +8,7 @@ end, so a crashed build never looks finished.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import platform
@@ -76,11 +77,14 @@ def _token_stream(texts: dict[str, str], tokenizer, cache: Path) -> torch.Tensor
     return torch.from_numpy(array.astype(np.int64))
 
 
-def build_reference(size: str, out_dir: Path, cache_dir: Path, seed: int = 0, progress: bool = True) -> dict:
+def build_reference(size: str, out_dir: Path, cache_dir: Path, seed: int = 0, progress: bool = True,
+                    train_steps: int | None = None) -> dict:
     """Build the reference model `size` (trained: tiny, small; pretrained: smollm2-135m) into `out_dir`.
 
     Both kinds get the same layout: the model, calibration windows of the public-domain corpus,
     held-out Persuasion and WordNet tasks, and a manifest of sources, licenses and hashes.
+    `train_steps`: a trained size's step count instead of its own (the test suite's fixture model; the manifest
+    records the steps it was trained for).
     """
     if size not in SIZES and size not in PRETRAINED:
         raise ValueError(f"unknown reference size {size!r}; use one of {reference_names()}")
@@ -101,8 +105,9 @@ def build_reference(size: str, out_dir: Path, cache_dir: Path, seed: int = 0, pr
     if gguf is not None:
         model, tokenizer, model_facts, seq_len = _pretrained_model(PRETRAINED[size], gguf, cache_dir, tmp)
     else:
-        model, tokenizer, model_facts, seq_len = _trained_model(SIZES[size], texts, corpus.digest, cache_dir, tmp,
-                                                                seed, progress)
+        spec = SIZES[size] if train_steps is None else dataclasses.replace(SIZES[size], steps=train_steps)
+        model, tokenizer, model_facts, seq_len = _trained_model(spec, texts, corpus.digest, cache_dir, tmp, seed,
+                                                                progress)
     heldout_text = corpus.heldout.read_text()
     heldout = perplexity(model, tokenizer, persuasion_chunks(heldout_text, words=120, n=40), max_length=seq_len)
 
