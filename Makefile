@@ -17,7 +17,7 @@ DEMO_PAIRS ?= 32
 DEMO_EVAL ?= --tasks pipprune_wordnet_cloze --include-path $(REF_REAL)/tasks --eval-limit 100
 DEMO_RECOVERY ?= --recovery-steps 12 --recovery kd
 
-.PHONY: install data lint demo test test-fast stack-down clean-state bench bench-serving peer-venv bench-peer docs-screenshots
+.PHONY: install data lint demo test test-fast test-profile stack-down clean-state bench bench-serving peer-venv bench-peer docs-screenshots
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -65,6 +65,11 @@ TEST_WORKERS ?= 2
 test: install data lint
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 \
 		-n $(TEST_WORKERS) --dist loadfile
+
+# Where the suite's time goes: CPU seconds by kind of process (CLI runs, servers, workers) while `make test` runs,
+# into benchmarks/results/suite_cpu.{json,md}; run it on an otherwise idle machine.
+test-profile: install
+	$(BIN)/python -m benchmarks.suite_cpu -- $(MAKE) test
 
 # The inner loop: pure unit tests (no servers, no reference model build), slowest printed.
 test-fast: install
