@@ -20,8 +20,11 @@ REAL_GRID = tuple(f"divergence_smollm2_{unit}{cell}{held}" for unit in ("block",
                   for held in ("", "_wordnet"))
 #: the real model's perturbation-rate axis (make bench-real-rate) and the default's recovery curve
 REAL_RATE = ("ablation_smollm2_rate", "ablation_smollm2_rate_wordnet")
-REAL_RECOVERY = ("recovery_curve_smollm2_width",)
-ORDER = [*REAL_GRID, *REAL_RATE, *REAL_RECOVERY, *CANDIDATES, *CANDIDATE_SEEDS, "divergence_smollm2_block_paper_schedule",
+REAL_RECOVERY = ("recovery_curve_smollm2_width", "recovery_curve_smollm2_block_influence")
+#: the default's recovery curve paired row by row with the best block method's (benchmarks.recovery_versus)
+REAL_VERSUS = ("recovery_versus_smollm2",)
+ORDER = [*REAL_GRID, *REAL_RATE, *REAL_RECOVERY, *REAL_VERSUS, *CANDIDATES, *CANDIDATE_SEEDS,
+         "divergence_smollm2_block_paper_schedule",
          "divergence_small", "divergence_small_wordnet", "divergence_small_block_seeds", "divergence_small_block_seeds_wordnet",
          "divergence_small_block_seeds_deep", "divergence_small_block_seeds_deep_wordnet",
          "divergence_small_32pairs", "divergence_small_32pairs_wordnet", "divergence_small_32pairs_block_seeds",
@@ -145,6 +148,20 @@ def _recovery_rows(result: dict) -> list[str]:
     return rows
 
 
+def _versus_rows(result: dict) -> list[str]:
+    """Per held-out set: after the same recovery at the same budget, is A's KL at least as good as B's everywhere?"""
+    rows = []
+    for held in dict.fromkeys(r["heldout"] for r in result["rows"]):
+        mine = [r for r in result["rows"] if r["heldout"] == held and r["recovery"] != "none"]
+        worse = [r["recovery"] for r in mine if r["kl"]["verdict"] == "worse"]
+        better = sum(r["kl"]["verdict"] == "better" for r in mine)
+        rows.append(f"| {result['a_pruning']} after recovery no worse in KL than {result['b_pruning']} at the same "
+                    f"recovery budget ({held}, {len(mine)} recoveries) | {better} better, "
+                    f"{len(mine) - better - len(worse)} indistinguishable, {len(worse)} worse"
+                    f"{' (' + ', '.join(worse) + ')' if worse else ''} | {'missed' if worse else 'met'} |")
+    return rows
+
+
 def targets() -> list[str]:
     lines = ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
     quality, cost, overhead, inference = _load("quality"), _load("cost"), _load("overhead"), _load("inference")
@@ -155,6 +172,9 @@ def targets() -> list[str]:
     for name in REAL_RECOVERY:
         if (result := _load(name)) is not None:
             lines += _recovery_rows(result)
+    for name in REAL_VERSUS:
+        if (result := _load(name)) is not None:
+            lines += _versus_rows(result)
     if quality:
         lines += _quality_rows(quality)
     if cost:

@@ -35,3 +35,18 @@ def test_a_recovery_over_the_time_budget_never_meets_the_target():
     result["curve"] = [c for c in result["curve"] if c["recovery"] in ("none", "lora_lm@40")]
     persuasion, _ = _recovery_rows(result)  # x1.2 and 95% of the cloze, but 2000 s of training
     assert "| lora_lm@40: x1.20, cloze 95% of dense, 2000 s | missed |" in persuasion
+
+
+def test_the_versus_row_is_missed_when_any_recovery_is_worse_and_ignores_no_recovery():
+    from benchmarks.report import _versus_rows
+
+    def row(recovery: str, held: str, verdict: str) -> dict:
+        return {"recovery": recovery, "heldout": held, "kl": {"verdict": verdict}}
+
+    result = {"a_pruning": "pip width 0.2", "b_pruning": "block_influence block 0.2",
+              "rows": [row("none", "persuasion", "worse"), row("lora_lm@10", "persuasion", "better"),
+                       row("kd_lora@10", "persuasion", "indistinguishable"), row("lora_lm@10", "wordnet", "better"),
+                       row("kd_lora@10", "wordnet", "worse")]}
+    persuasion, wordnet = _versus_rows(result)
+    assert persuasion.endswith("| 1 better, 1 indistinguishable, 0 worse | met |")
+    assert wordnet.endswith("| 1 better, 0 indistinguishable, 1 worse (kd_lora@10) | missed |")
