@@ -17,7 +17,7 @@ DEMO_PAIRS ?= 32
 DEMO_EVAL ?= --tasks pipprune_wordnet_cloze --include-path $(REF_REAL)/tasks --eval-limit 100
 DEMO_RECOVERY ?= --recovery-steps 12 --recovery kd
 
-.PHONY: install data lint demo test test-fast test-profile stack-down clean-state bench bench-serving peer-venv bench-peer docs-screenshots
+.PHONY: install data lint demo test test-fast test-profile stack-down clean-state bench bench-trained bench-serving peer-venv bench-peer docs-screenshots
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
