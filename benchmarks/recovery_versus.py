@@ -47,8 +47,8 @@ def versus(a: dict, b: dict, n_boot: int = N_BOOT) -> list[dict]:
             row = {"recovery": label, "heldout": heldout, "seeds": [len(sa), len(sb)]}
             for metric in ("kl", "ppl_ratio"):
                 diff = bootstrap.paired_difference(sa, sb, metric, n_boot)
-                row[metric] = {"a": bootstrap.interval(sa, metric, n_boot).point,
-                               "b": bootstrap.interval(sb, metric, n_boot).point,
+                row[metric] = {"a": _mean(s.metrics()[metric] for s in sa),
+                               "b": _mean(s.metrics()[metric] for s in sb),
                                "diff": diff.as_dict(), "verdict": bootstrap.verdict(diff)}
             row["cloze_acc"] = [_mean(r.get("cloze_acc") for r in by_a[label]),
                                 _mean(r.get("cloze_acc") for r in by_b[label])]
