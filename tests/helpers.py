@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +29,74 @@ def s3_of(env: dict[str, str]):  # boto3 clients are untyped
                         aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
 
 
+class _ForkServerClient:
+    """This process's `tests.cli_fork_server`: started on first use, stopped at exit."""
+
+    def __init__(self) -> None:
+        import atexit
+        import json
+        import os
+        import tempfile
+
+        self.env = dict(os.environ)
+        self.files = Path(tempfile.mkdtemp(prefix="pipprune-cli-"))
+        self.log = (self.files / "server.log").open("w")
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.cli_fork_server"], cwd=ROOT, env=self.env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        atexit.register(self.close)
+        self.alive = "ready" in json.loads(self.process.stdout.readline() or "{}")
+        self.runs = 0
+
+    def accepts(self, env: dict[str, str]) -> bool:
+        """Whether a fresh process with `env` would import exactly what the server imported."""
+        from tests.cli_fork_server import LATE_READ
+
+        differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return self.alive and all(k.startswith(LATE_READ) for k in differ)
+
+    def run(self, env: dict[str, str], args: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess:
+        import json
+
+        self.runs += 1
+        out, err = self.files / f"{self.runs}.out", self.files / f"{self.runs}.err"
+        request = {"args": list(args), "env": env, "cwd": str(ROOT), "stdout": str(out), "stderr": str(err),
+                   "timeout": timeout}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        reply = json.loads(self.process.stdout.readline() or '{"lost": true}')
+        cmd = [sys.executable, "-m", "pipprune.cli", *args]
+        stdout, stderr = (p.read_text(errors="replace") if p.exists() else "" for p in (out, err))
+        if reply.get("lost"):
+            raise RuntimeError(f"the CLI fork server died: see {self.log.name}")
+        if reply.get("timeout"):
+            raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+        return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
+
+    def close(self) -> None:
+        import shutil
+
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+        self.log.close()
+        shutil.rmtree(self.files, ignore_errors=True)
+
+
+@functools.cache
+def _fork_server() -> _ForkServerClient:
+    return _ForkServerClient()
+
+
 def cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the `pipprune` CLI in a subprocess with `env`, capturing its output."""
+    """Run the `pipprune` CLI as its own process with `env`, capturing its output.
+
+    The process is forked from `tests.cli_fork_server` (imports done once per test process) when `env` differs from
+    this process's only in variables read after import; otherwise, or with PIPPRUNE_TEST_FORK_SERVER=0, it is a
+    fresh `python -m pipprune.cli`."""
+    import os
+
+    if os.environ.get("PIPPRUNE_TEST_FORK_SERVER", "1") != "0" and _fork_server().accepts(env):
+        return _fork_server().run(env, args, timeout)
     return subprocess.run([sys.executable, "-m", "pipprune.cli", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 

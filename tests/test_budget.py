@@ -186,16 +186,15 @@ def test_a_model_with_nothing_prunable_is_refused_without_a_nonsense_suggestion(
 def test_pipprune_plan_and_a_run_remove_the_same_amount_for_every_unit_kind(tiny_reference_dir, unit, ratio):
     """`pipprune plan` (its defaults: the config's) and a run of the same job (the flow's own mapping from config to
     scoring options, the planned ratio and alignment) end at the same parameter count, step by step."""
-    import subprocess
-    import sys
+    import os
 
     from infra.budgeting import plan_for
     from infra.config import CompressConfig
     from tasks.scoring import scoring_options
+    from tests.helpers import cli
 
-    result = subprocess.run([sys.executable, "-m", "pipprune.cli", "plan", "--model", str(tiny_reference_dir), "--unit",
-                             unit, "--ratio", ratio, "--iterations", "2", "--json"], capture_output=True, text=True,
-                            timeout=300)
+    result = cli(dict(os.environ), "plan", "--model", str(tiny_reference_dir), "--unit", unit, "--ratio", ratio,
+                 "--iterations", "2", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     planned = json.loads(result.stdout)["budget"]
     config = CompressConfig(model=str(tiny_reference_dir), calibration=str(tiny_reference_dir), ratio=float(ratio),

@@ -1,4 +1,4 @@
-"""The CLI contract for people and schedulers, through the real command line in a subprocess.
+"""The CLI contract for people and schedulers, through the command line run as its own process.
 
 Bad input fails before any model is loaded (exit 2, one line naming the file/field, no traceback,
 nothing registered); `--out` never touches what pipprune did not write; `--json` puts exactly one

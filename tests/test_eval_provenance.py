@@ -104,14 +104,13 @@ def test_heldout_record_counts_the_tokens_the_divergence_metric_scores(tiny_refe
 
 
 def test_eval_cli_prints_the_provenance(tiny_reference_dir, tmp_path):
-    import subprocess
-    import sys
+    import os
 
-    root = Path(__file__).resolve().parents[1]
+    from tests.helpers import cli
+
     tasks_dir = _tasks_copy(tiny_reference_dir, tmp_path / "tasks")
-    out = subprocess.run([sys.executable, "-m", "pipprune.cli", "eval", "--model", str(tiny_reference_dir),
-                          "--tasks", CLOZE, "--include-path", str(tasks_dir), "--limit", "3", "--device", "cpu"],
-                         capture_output=True, text=True, cwd=root, timeout=600)
+    out = cli(dict(os.environ), "eval", "--model", str(tiny_reference_dir), "--tasks", CLOZE, "--include-path",
+              str(tasks_dir), "--limit", "3", "--device", "cpu", timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     doc = json.loads(out.stdout)
     prov = doc["provenance"]

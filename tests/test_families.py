@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import re
 
 import pytest
@@ -303,7 +304,7 @@ def test_cli_compress_width_uniform_on_the_most_distinct_families(stack_env, tin
 
     source = _family_dir(model_type, tiny_reference_dir, tmp_path / "src")
     out = tmp_path / "out"
-    result = cli(stack_env, "compress", "--model", str(source), "--calibration", str(tiny_reference_dir),
+    result = cli({**os.environ, **stack_env}, "compress", "--model", str(source), "--calibration", str(tiny_reference_dir),
                  "--ratio", "0.2", "--unit", "width", "--width-mode", "uniform", "--method", "pip",
                  "--iterations", "1", "--n-samples", "4", "--eval-limit", "5", "--out", str(out),
                  "--name", f"fam-{model_type}", "--json")
@@ -341,7 +342,7 @@ def test_cli_refuses_unsupported_family_and_unknown_layout(stack_env, tiny_refer
     save_file(tensors, odd / "model.safetensors", metadata={"format": "pt"})
     for model, expected in ((moe, "mixtral.*llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, olmo2"),
                             (odd, "unknown layer layout.*model.layers.0.mlp.gate_proj")):
-        result = cli(stack_env, "compress", "--model", str(model), "--calibration", str(tiny_reference_dir),
+        result = cli({**os.environ, **stack_env}, "compress", "--model", str(model), "--calibration", str(tiny_reference_dir),
                      "--unit", "width", "--iterations", "1", "--name", "fam-refused")
         assert result.returncode != 0
         assert re.search(expected, result.stderr.replace("\n", " ")), result.stderr[-2000:]

@@ -86,17 +86,13 @@ def test_architectures_that_cannot_be_read_or_pruned_are_refused_naming_them(tmp
 
 def test_plan_reads_only_a_gguf_header_and_refuses_a_missing_file(gguf_files, tmp_path):
     import os
-    import subprocess
-    import sys
 
-    from tests.helpers import ROOT
+    from tests.helpers import cli
 
     env = {**os.environ, "PIPPRUNE_HOME": str(tmp_path / "home")}
-    plan = subprocess.run([sys.executable, "-m", "pipprune.cli", "plan", "--model", str(gguf_files["q8_0"]),
-                           "--ratio", "0.2", "--json"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    plan = cli(env, "plan", "--model", str(gguf_files["q8_0"]), "--ratio", "0.2", "--json", timeout=300)
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert json.loads(plan.stdout)["budget"]["params_after"] > 0
     assert not (tmp_path / "home" / "cache" / "gguf").exists()  # planning read the header only
-    bad = subprocess.run([sys.executable, "-m", "pipprune.cli", "plan", "--model", str(tmp_path / "missing.gguf")],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    bad = cli(env, "plan", "--model", str(tmp_path / "missing.gguf"), timeout=300)
     assert bad.returncode == 2 and "does not exist" in bad.stderr

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from infra.sweep import SweepConfig, apply_settings, markdown_table, pareto_front
+from tests.helpers import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,8 +76,7 @@ def _sweep_file(tmp: Path, ref: Path, **extra) -> Path:
 
 
 def _cli(env: dict[str, str], *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipprune.cli", *args], env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return cli({**os.environ, **env}, *args, timeout=timeout)
 
 
 def _parent_artifacts(env: dict[str, str], run_id: str) -> tuple[list[str], dict, list]:
