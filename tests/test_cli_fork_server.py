@@ -1,0 +1,42 @@
+"""The tests' CLI fork server gives what a fresh `python -m pipprune.cli` gives, or steps aside."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, _fork_server, cli
+
+pytestmark = pytest.mark.slow  # it imports the whole CLI once per test process
+
+
+def _fresh(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipprune.cli", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_forked_run_reads_its_own_environment_and_matches_a_fresh_process(tmp_path):
+    server = _fork_server()
+    key = tmp_path / "nowhere" / "team.pem"
+    env = {**os.environ, "PIPPRUNE_HOME": str(tmp_path / "home"), "PIPPRUNE_SIGNING_KEY": str(key)}
+    assert server.accepts(env)
+    runs = server.runs
+    forked = cli(env, "keys", "export-public", timeout=120)
+    assert server.runs == runs + 1  # it was the fork server's
+    fresh = _fresh(env, "keys", "export-public")
+    assert forked.returncode == fresh.returncode == 2
+    assert str(key) in forked.stderr and (forked.stdout, forked.stderr) == (fresh.stdout, fresh.stderr)
+    usage = cli(env, "no-such-command")
+    assert usage.returncode == _fresh(env, "no-such-command").returncode != 0
+
+
+def test_an_environment_read_at_import_gets_a_fresh_process(tmp_path):
+    server = _fork_server()
+    changed = {**os.environ, "HF_HOME": str(tmp_path / "hf")}
+    assert not server.accepts(changed) and not server.accepts({"PATH": os.environ["PATH"]})
+    runs = server.runs
+    assert cli(changed, "--help").returncode == 0
+    assert server.runs == runs
