@@ -25,8 +25,9 @@ import traceback
 from typing import NoReturn
 
 #: environment variables a CLI run reads after import (pydantic-settings, boto3, MLflow per call; Prefect's
-#: settings are refreshed in the child): only these may differ between the server and a request
-LATE_READ = ("PIPPRUNE_", "PREFECT_", "MLFLOW_", "AWS_")
+#: settings are refreshed in the child), and pytest's per-test marker that nothing reads: only these may differ
+#: between the server and a request
+LATE_READ = ("PIPPRUNE_", "PREFECT_", "MLFLOW_", "AWS_", "PYTEST_CURRENT_TEST")
 
 
 def _child(request: dict) -> NoReturn:

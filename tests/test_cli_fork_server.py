@@ -22,7 +22,7 @@ def test_a_forked_run_reads_its_own_environment_and_matches_a_fresh_process(tmp_
     server = _fork_server()
     key = tmp_path / "nowhere" / "team.pem"
     env = {**os.environ, "PIPPRUNE_HOME": str(tmp_path / "home"), "PIPPRUNE_SIGNING_KEY": str(key)}
-    assert server.accepts(env)
+    assert server.accepts(env) and server.accepts({**server.env, "PYTEST_CURRENT_TEST": "a later test (call)"})
     runs = server.runs
     forked = cli(env, "keys", "export-public", timeout=120)
     assert server.runs == runs + 1  # it was the fork server's
