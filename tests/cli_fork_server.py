@@ -88,10 +88,14 @@ def _wait(pid: int, timeout: float) -> dict:
 
 
 def serve() -> None:
+    before = dict(os.environ)
     import flows.compress  # noqa: F401  (the heavy imports every compress run needs, done once)
     import pipprune.cli  # noqa: F401
 
-    print(json.dumps({"ready": os.getpid()}), flush=True)
+    # some libraries set variables when imported (KMP_DUPLICATE_LIB_OK, HF_XET_HIGH_PERFORMANCE): a fresh process
+    # gets them too, so the client counts them as the server's own
+    set_on_import = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    print(json.dumps({"ready": os.getpid(), "set_on_import": set_on_import}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()

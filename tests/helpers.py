@@ -29,11 +29,11 @@ def s3_of(env: dict[str, str]):  # boto3 clients are untyped
                         aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
 
 
-#: what the CLI sets itself, before importing anything, when a variable is unset (infra.progress outside a terminal,
-#: infra.settings.apply_process_env); in-process tests set them in the pytest process too, so they never tell a
-#: request from the server
+#: variables a CLI run sets itself when they are unset: the CLI before importing anything (infra.progress outside a
+#: terminal, infra.settings.apply_process_env), libraries as it imports them (lm_eval, sklearn). In-process tests set
+#: them in the pytest process too, so unset and this value are the same to a request.
 CLI_SETS = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-            "HF_HUB_DISABLE_TELEMETRY": "1"}
+            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_XET_HIGH_PERFORMANCE": "1", "KMP_DUPLICATE_LIB_OK": "True"}
 
 
 class _ForkServerClient:
@@ -51,16 +51,17 @@ class _ForkServerClient:
         self.process = subprocess.Popen([sys.executable, "-m", "tests.cli_fork_server"], cwd=ROOT, env=self.env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         atexit.register(self.close)
-        self.alive = "ready" in json.loads(self.process.stdout.readline() or "{}")
+        ready = json.loads(self.process.stdout.readline() or "{}")
+        self.alive, self.set_on_import = "ready" in ready, ready.get("set_on_import", {})
         self.runs = 0
 
     def differences(self, env: dict[str, str]) -> set[str]:
         """The variables that a fresh process with `env` would import with, and the server did not."""
         from tests.cli_fork_server import LATE_READ
 
-        effective = {**CLI_SETS, **env}
-        return {k for k in effective.keys() | self.env.keys()
-                if effective.get(k) != self.env.get(k) and not k.startswith(LATE_READ)}
+        ours, theirs = {**self.env, **self.set_on_import}, {**self.set_on_import, **env}
+        return {k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k) and not k.startswith(LATE_READ)
+                and not {theirs.get(k), ours.get(k)} <= {None, CLI_SETS.get(k)}}
 
     def accepts(self, env: dict[str, str]) -> bool:
         """Whether a fresh process with `env` would import exactly what the server imported."""
