@@ -126,6 +126,18 @@ def _reference_data(on_locked: Callable[[], None] | None = None) -> Path:
     return out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_environment():
+    """Each test file ends with the environment it started with: libraries that set variables in this process
+    (dask's LocalCluster: OPENBLAS_NUM_THREADS, PYTHONHASHSEED, ...) would otherwise reach the CLI runs of every
+    later file in this worker, and send them to fresh processes instead of the fork server (tests/helpers.py)."""
+    saved = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    yield
+    for key in [k for k in os.environ if k not in saved and k != "PYTEST_CURRENT_TEST"]:
+        del os.environ[key]
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def reference_data_dir() -> Path:
     """Calibration data and lm-eval tasks of the reference corpus, without a model (see `_reference_data`)."""
