@@ -17,7 +17,8 @@ Mode = Literal["bar", "log", "off"]
 
 #: the logger of stage lines: what a person follows on the console (pipprune.commands.console shows it)
 CONSOLE_LOGGER = "pipprune.console"
-_BARS_OFF = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+#: what switches every tqdm bar off (set outside a terminal; the tests' CLI fork server treats it as set by a run)
+BARS_OFF = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 
 
 def choose_mode(quiet: bool, terminal: bool) -> Mode:
@@ -28,7 +29,7 @@ def configure(mode: Mode) -> None:
     """Apply `mode` to this process (before torch, transformers or Prefect are imported)."""
     os.environ["PIPPRUNE_PROGRESS"] = mode
     if mode != "bar":
-        os.environ.update(_BARS_OFF)
+        os.environ.update(BARS_OFF)
     if mode == "off":
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import boto3
 
+from infra.progress import BARS_OFF
 from infra.stack import free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +33,7 @@ def s3_of(env: dict[str, str]):  # boto3 clients are untyped
 #: variables a CLI run sets itself when they are unset: the CLI before importing anything (infra.progress outside a
 #: terminal, infra.settings.apply_process_env), libraries as it imports them (lm_eval, sklearn). In-process tests set
 #: them in the pytest process too, so unset and this value are the same to a request.
-CLI_SETS = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_XET_HIGH_PERFORMANCE": "1", "KMP_DUPLICATE_LIB_OK": "True"}
+CLI_SETS = {**BARS_OFF, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_XET_HIGH_PERFORMANCE": "1", "KMP_DUPLICATE_LIB_OK": "True"}
 
 
 class _ForkServerClient:
@@ -109,12 +109,16 @@ def cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.Com
     import os
 
     if os.environ.get("PIPPRUNE_TEST_FORK_SERVER", "1") != "0":
-        if _fork_server().accepts(env):
-            return _fork_server().run(env, args, timeout)
+        server = _fork_server()
+        if not server.alive:
+            why = f"the CLI fork server did not start (see {server.log.name})"
+        elif differences := server.differences(env):
+            why = f"{sorted(differences)[:5]} differ from the CLI fork server's environment"
+        else:
+            return server.run(env, args, timeout)
         import warnings
 
-        warnings.warn(f"`pipprune {args[0] if args else ''}` ran as a fresh process (~14 CPU-s of imports): "
-                      f"{sorted(_fork_server().differences(env))[:5]} differ from the CLI fork server's environment",
+        warnings.warn(f"`pipprune {args[0] if args else ''}` ran as a fresh process (~14 CPU-s of imports): {why}",
                       stacklevel=2)
     return subprocess.run([sys.executable, "-m", "pipprune.cli", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)

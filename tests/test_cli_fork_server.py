@@ -44,8 +44,27 @@ def test_an_environment_read_at_import_gets_a_fresh_process(tmp_path):
     assert server.runs == runs
 
 
-def test_what_the_cli_sets_before_importing_is_known_to_the_client():
-    from infra import progress
+def test_what_the_client_counts_as_set_by_a_run_is_what_a_fresh_compress_run_sets(tmp_path):
+    """CLI_SETS may be missing from a request's environment only because a fresh run sets each of them itself
+    (before the imports that read them, or by importing what it uses): checked on a fresh process that starts as
+    `pipprune compress` does and imports what a run imports, from an environment without them."""
+    import json
+
     from tests.helpers import CLI_SETS
 
-    assert progress._BARS_OFF.items() <= CLI_SETS.items()
+    env = {k: v for k, v in os.environ.items() if k not in CLI_SETS}
+    env["PIPPRUNE_HOME"] = str(tmp_path / "home")
+    start = ("import json, os\n"
+             "from infra import progress\n"
+             "from infra.settings import Settings, apply_process_env\n"
+             "progress.configure(progress.choose_mode(False, False))\n"
+             "apply_process_env(Settings())\n"
+             "import flows.compress, pipprune.cli\n"
+             "from tests.cli_fork_server import _warm\n"
+             "_warm()\n"
+             "print(json.dumps(dict(os.environ)))\n")
+    done = subprocess.run([sys.executable, "-c", start], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    after = json.loads(done.stdout.splitlines()[-1])
+    assert {k: after.get(k) for k in CLI_SETS} == CLI_SETS
