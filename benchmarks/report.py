@@ -23,6 +23,10 @@ REAL_RATE = ("ablation_smollm2_rate", "ablation_smollm2_rate_wordnet")
 REAL_RECOVERY = ("recovery_curve_smollm2_width", "recovery_curve_smollm2_block_influence")
 #: the default's recovery curve paired row by row with the best block method's (benchmarks.recovery_versus)
 REAL_VERSUS = ("recovery_versus_smollm2",)
+#: `make bench`: the real model's tables at calibration seed 0, from scratch, and its wall time (benchmarks.bench_wall)
+BENCH_ONE_SEED = (*(name.replace("smollm2", "smollm2_seed0") for name in (*REAL_GRID, *REAL_RATE)),
+                  "recovery_curve_smollm2_seed0")
+BENCH_WALL = "make_bench"
 ORDER = [*REAL_GRID, *REAL_RATE, *REAL_RECOVERY, *REAL_VERSUS, *CANDIDATES, *CANDIDATE_SEEDS,
          "divergence_smollm2_block_paper_schedule",
          "divergence_small", "divergence_small_wordnet", "divergence_small_block_seeds", "divergence_small_block_seeds_wordnet",
@@ -44,6 +48,7 @@ RENDERERS = {"recovery_compare": ("benchmarks.recovery", "compare_table"),
              **{n: ("benchmarks.ablation", "render") for n in ("ablation", "ablation_wordnet", "ablation_seeds",
                                                                "ablation_seeds_wordnet", "ablation_block_0.1",
                                                                "ablation_block_0.1_wordnet", *REAL_RATE)}}
+RENDERERS.update({n.replace("smollm2", "smollm2_seed0"): ("benchmarks.ablation", "render") for n in REAL_RATE})
 #: the quality issue's usable-model target: perplexity ratio, share of the dense cloze accuracy, recovery seconds
 USABLE = {"ppl_ratio": 1.5, "cloze_retained": 0.85, "train_seconds": 20 * 60}
 
@@ -162,6 +167,14 @@ def _versus_rows(result: dict) -> list[str]:
     return rows
 
 
+def _wall_row(wall: dict) -> str:
+    """The targets row of a timed make target (benchmarks.bench_wall)."""
+    minutes, seconds = divmod(round(wall["wall_s"]), 60)
+    return (f"| `{wall['target']}` within {wall['limit_s'] / 60:g} min on a {wall['cpus']}-core machine, install and "
+            f"reference build included ({wall['commit']}) | {minutes} min {seconds} s | "
+            f"{'met' if wall['wall_s'] <= wall['limit_s'] else 'missed'} |")
+
+
 def targets() -> list[str]:
     lines = ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
     quality, cost, overhead, inference = _load("quality"), _load("cost"), _load("overhead"), _load("inference")
@@ -175,6 +188,8 @@ def targets() -> list[str]:
     for name in REAL_VERSUS:
         if (result := _load(name)) is not None:
             lines += _versus_rows(result)
+    if (wall := _load(BENCH_WALL)) is not None:
+        lines.append(_wall_row(wall))
     if quality:
         lines += _quality_rows(quality)
     if cost:
@@ -488,6 +503,24 @@ def candidates_note() -> str:
     return textwrap.fill(text, width=110, subsequent_indent="  ", break_on_hyphens=False) + "\n"
 
 
+BENCH_HEADER = """## `make bench`: the real model's tables at one calibration seed, from scratch
+
+What `make bench` writes on a clean clone (seed 0 of the three-seed grid above; `*_smollm2_seed0*`), and how long
+it took. The three-seed tables above are `make bench-real`'s, resumable from the committed runs files.
+"""
+
+
+def _table(name: str) -> list[str]:
+    """The markdown table of result `name` (re-rendered from its JSON where a renderer is registered), if any."""
+    path = RESULTS / f"{name}.md"
+    if name in RENDERERS and (RESULTS / f"{name}.json").is_file():
+        import importlib
+
+        module, func = RENDERERS[name]
+        path.write_text("\n".join(getattr(importlib.import_module(module), func)(_load(name))) + "\n")
+    return [path.read_text()] if path.is_file() else []
+
+
 def main() -> None:
     notes, ablations = NOTES, candidates_note() + ablation_notes()
     marker = "- **Width selection**"  # the ablation paragraph goes after the no-perturbation bullet
@@ -498,14 +531,9 @@ def main() -> None:
     if gpu:
         parts.append("\n".join(gpu_table(gpu)))
     for name in ORDER:
-        path = RESULTS / f"{name}.md"
-        if name in RENDERERS and (RESULTS / f"{name}.json").is_file():
-            import importlib
-
-            module, func = RENDERERS[name]
-            path.write_text("\n".join(getattr(importlib.import_module(module), func)(_load(name))) + "\n")
-        if path.is_file():
-            parts.append(path.read_text())
+        parts += _table(name)
+    if one_seed := [part for name in (BENCH_WALL, *BENCH_ONE_SEED) for part in _table(name)]:
+        parts += [BENCH_HEADER, *one_seed]
     (RESULTS / "README.md").write_text("\n".join(parts))
     print(RESULTS / "README.md")
 

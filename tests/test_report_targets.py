@@ -1,4 +1,4 @@
-"""The results README's recovery target row: computed from the curve's JSON, cheapest passing recovery first."""
+"""The results README's target rows: recovery (cheapest passing recovery first) and `make bench`'s wall time."""
 
 from __future__ import annotations
 
@@ -50,3 +50,18 @@ def test_the_versus_row_is_missed_when_any_recovery_is_worse_and_ignores_no_reco
     persuasion, wordnet = _versus_rows(result)
     assert persuasion.endswith("| 1 better, 1 indistinguishable, 0 worse | met |")
     assert wordnet.endswith("| 1 better, 0 indistinguishable, 1 worse (kd_lora@10) | missed |")
+
+
+def test_the_bench_wall_time_is_met_only_within_its_limit_and_a_reversed_interval_is_refused():
+    import pytest
+
+    from benchmarks.bench_wall import measure
+    from benchmarks.report import _wall_row
+
+    payload, table = measure(1000.0, 1000.0 + 76 * 60 + 14, "make bench", 90, "abc1234")
+    assert payload["met"] and "| `make bench` | 76 min 14 s | 90 min |" in table[-1]
+    assert _wall_row(payload).endswith("| 76 min 14 s | met |")
+    over, _ = measure(1000.0, 1000.0 + 91 * 60, "make bench", 90, "abc1234")
+    assert not over["met"] and _wall_row(over).endswith("| 91 min 0 s | missed |")
+    with pytest.raises(ValueError, match="after the start"):
+        measure(2000.0, 1000.0, "make bench", 90, "abc1234")
