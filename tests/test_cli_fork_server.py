@@ -10,7 +10,9 @@ import pytest
 
 from tests.helpers import ROOT, _fork_server, cli
 
-pytestmark = pytest.mark.slow  # it imports the whole CLI once per test process
+pytestmark = [pytest.mark.slow,  # it imports the whole CLI once per test process
+              pytest.mark.skipif(os.environ.get("PIPPRUNE_TEST_FORK_SERVER", "1") == "0",
+                                 reason="PIPPRUNE_TEST_FORK_SERVER=0: every CLI run is a fresh process")]
 
 
 def _fresh(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
