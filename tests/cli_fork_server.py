@@ -87,36 +87,20 @@ def _wait(pid: int, timeout: float) -> dict:
     return {"returncode": os.waitstatus_to_exitcode(status)}
 
 
-#: what a compress run imports inside its functions (pipprune imports its heavy libraries where it uses them, so a
-#: light command stays light): imported once here too, or every forked run would still pay for them (measured on a
-#: tiny-model compress: 1,662 modules imported after `flows.compress` and `pipprune.cli` without this, 142 with it)
-WARM = ("mlflow", "mlflow.entities", "mlflow.data", "mlflow.models", "mlflow.pyfunc", "mlflow.transformers",
-        "mlflow.system_metrics.system_metrics_monitor", "lm_eval", "lm_eval.evaluator", "lm_eval.loggers",
-        "lm_eval.tasks", "lm_eval.models.huggingface", "peft", "boto3", "boto3.s3.transfer", "botocore.config",
-        "pandera.typing.dask", "pandera.backends.pandas.register", "pandera.accessors.pandas_accessor",
-        "pandera.strategies", "psutil", "gguf", "safetensors.torch", "model_signing.signing", "model_signing.verifying",
-        "transformers.models.llama.modeling_llama", "infra.plots", "prefect.deployments", "prefect.concurrency.sync",
-        "prefect.client.orchestration", "prefect.flow_engine", "prefect.task_engine", "prefect.utilities.visualization",
-        "pandera.api.geopandas", "scipy.io", "matplotlib.backends.backend_agg", "mlflow.tracking.request_header.registry")
-
-
 def _warm() -> None:
-    """Import WARM; a module that starts a thread would make forking unsafe, so that stops the server."""
-    import importlib
+    """Import what a compress run imports, inside its functions too (pipprune.precompile's list), or every forked
+    run would still pay for it; a module that starts a thread would make forking unsafe, so that stops the server."""
+    from pipprune.precompile import import_run_modules
 
-    for name in WARM:
-        importlib.import_module(name)
+    import_run_modules()
     threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if threads:
-        raise RuntimeError(f"importing {WARM} started threads {threads}: forking this process is not safe")
+        raise RuntimeError(f"importing what a run imports started threads {threads}: forking is not safe")
 
 
 def serve() -> None:
     before = dict(os.environ)
-    import flows.compress  # noqa: F401  (the heavy imports every compress run needs, done once)
-    import pipprune.cli  # noqa: F401
-
-    _warm()
+    _warm()  # the heavy imports every compress run needs, done once
 
     # some libraries set variables when imported (KMP_DUPLICATE_LIB_OK, HF_XET_HIGH_PERFORMANCE): a fresh process
     # gets them too, so the client counts them as the server's own
