@@ -61,9 +61,8 @@ def test_what_the_client_counts_as_set_by_a_run_is_what_a_fresh_compress_run_set
              "from infra.settings import Settings, apply_process_env\n"
              "progress.configure(progress.choose_mode(False, False))\n"
              "apply_process_env(Settings())\n"
-             "import flows.compress, pipprune.cli\n"
-             "from tests.cli_fork_server import _warm\n"
-             "_warm()\n"
+             "from pipprune.precompile import import_run_modules\n"
+             "import_run_modules()\n"
              "print(json.dumps(dict(os.environ)))\n")
     done = subprocess.run([sys.executable, "-c", start], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
