@@ -1,17 +1,24 @@
-"""Byte-compile, once at install, the modules a pipprune run and the local stack import.
+"""Byte-compile, once at install, the modules a pipprune run, its optional runtimes and the local stack import.
 
 `make install` runs pip with --no-compile (compiling every module of torch, transformers, MLflow and Prefect took
-127 s of a 169 s install), so Python compiles a module the first time a process imports it and caches the bytecode.
-On a fresh clone the first runs then compile the same thousands of modules, in many processes at once: the test
-suite's first run on a clean clone took 983 s against 659 s for the next run in the same clone. Importing them
-here, in one process, writes that cache once (`python -m pipprune.precompile`).
+127 s of a 169 s install), so nothing in the virtual environment has bytecode, and every process compiles each module
+it imports. Python writes that bytecode back only where PYTHONDONTWRITEBYTECODE is unset; where it is set (as on this
+machine and its CI) every one of the suite's hundreds of processes compiles the same thousands of modules again: a
+clean clone's first suite took 859 s of pytest, the next run in the same clone (whose bytecode one child process
+without the variable had written) 633 s. So this module imports what those processes import, then writes the
+bytecode of every imported module that lies in the virtual environment, as pip's own compile step would have,
+whatever the variable says (it governs imports; the source tree keeps following it). `python -m pipprune.precompile`.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
+import py_compile
+import sys
 import time
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +36,9 @@ RUN_IMPORTS = ("mlflow", "mlflow.entities", "mlflow.data", "mlflow.models", "mlf
                "matplotlib.backends.backend_agg", "mlflow.tracking.request_header.registry")
 #: what the local stack's servers import (`pipprune stack up`: the Prefect and MLflow servers)
 STACK_IMPORTS = ("prefect.server.api.server", "mlflow.server", "uvicorn")
+#: what the optional runtimes a run can start import: Dask workers for scoring and evaluation, a Prefect process
+#: worker for scheduled deployments, MLflow's scoring server for a registered version
+RUNTIME_IMPORTS = ("distributed", "prefect_dask", "prefect.workers.process", "mlflow.pyfunc.scoring_server")
 
 
 def import_run_modules() -> None:
@@ -40,13 +50,28 @@ def import_run_modules() -> None:
         importlib.import_module(name)
 
 
+def compile_imported(root: Path) -> int:
+    """Write the missing bytecode of every imported module whose source lies under `root`; returns how many."""
+    written = 0
+    for module in list(sys.modules.values()):
+        source = getattr(module, "__file__", None)
+        if not source or not source.endswith(".py") or not Path(source).resolve().is_relative_to(root):
+            continue
+        if not Path(importlib.util.cache_from_source(source)).is_file():
+            written += py_compile.compile(source, doraise=False, quiet=2) is not None
+    return written
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.perf_counter()
     import_run_modules()
-    for name in STACK_IMPORTS:
+    for name in STACK_IMPORTS + RUNTIME_IMPORTS:
         importlib.import_module(name)
-    log.info("byte-compiled the modules a run and the stack import in %.0f s", time.perf_counter() - start)
+    venv = Path(sys.prefix).resolve()
+    written = compile_imported(venv)
+    log.info("byte-compiled %d modules under %s that a run, its runtimes and the stack import in %.0f s", written,
+             venv, time.perf_counter() - start)
 
 
 if __name__ == "__main__":
