@@ -36,10 +36,9 @@ def main() -> None:
     model_dir = args.model or _default_model()
     home = Path(tempfile.mkdtemp(prefix="pipprune-overhead-"))
     from infra.settings import Settings, apply_process_env
-    from infra.stack import LocalStack, free_port, free_port_range
+    from infra.stack import LocalStack, free_stack_ports
 
-    settings = Settings(home=home, s3_port=free_port(), s3_aux_port_base=free_port_range(12), mlflow_port=free_port(),
-                        prefect_port=free_port(), s3_endpoint_url=None, mlflow_tracking_uri=None,
+    settings = Settings(home=home, **free_stack_ports(), s3_endpoint_url=None, mlflow_tracking_uri=None,
                         prefect_api_url=None)
     stack = LocalStack(settings)
     stack.up(wait=True, timeout=240)

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from infra.credentials import S3Credentials, ensure_credentials
-from infra.settings import Settings
+from infra.settings import AUX_PORT_STRIDE, Settings
 from infra.signing import ensure_signing_key, signing_key_path
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,17 @@ def free_port_range(count: int, also: tuple[int, ...] = ()) -> int:
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 outside the OS's ephemeral range (see `_outside_ephemeral`)."""
     return free_port_range(1)
+
+
+def free_stack_ports() -> dict[str, int]:
+    """The port fields of `Settings` for a whole stack on free ports (tests, benchmarks), from one block: S3, MLflow,
+    Prefect, then SeaweedFS' own ports. Ports picked one by one can collide: a Prefect port drawn inside the SeaweedFS
+    block made `stack up` refuse to start."""
+    main = ("s3_port", "mlflow_port", "prefect_port")
+    admin = len(main) + WEED_AUX_PORTS.index("admin.port") + ADMIN_GRPC_OFFSET
+    highest = len(main) + AUX_PORT_STRIDE + ADMIN_GRPC_OFFSET  # the top Settings allows for s3_aux_port_base
+    base = free_port_range(len(main) + len(WEED_AUX_PORTS), also=(admin, highest))
+    return {**{name: base + i for i, name in enumerate(main)}, "s3_aux_port_base": base + len(main)}
 
 
 def _pid_alive(pid: int | None) -> bool:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.stack import free_port
-from tests.helpers import ROOT, seaweed_port_base
+from infra.stack import free_stack_ports
+from tests.helpers import ROOT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -178,8 +178,7 @@ def stack_settings(home: Path):  # infra.settings.Settings, imported lazily
     """Settings of an embedded stack in `home` on free loopback ports (S3 and the block SeaweedFS adds)."""
     from infra.settings import Settings
 
-    return Settings(home=home, s3_port=free_port(), s3_aux_port_base=seaweed_port_base(),
-                    mlflow_port=free_port(), prefect_port=free_port(), s3_endpoint_url=None, mlflow_tracking_uri=None,
+    return Settings(home=home, **free_stack_ports(), s3_endpoint_url=None, mlflow_tracking_uri=None,
                     prefect_api_url=None)
 
 

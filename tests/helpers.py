@@ -10,18 +10,10 @@ from pathlib import Path
 import boto3
 
 from infra.progress import BARS_OFF
-from infra.stack import free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
 #: `--config` of the tests' CLI compress runs: no serving measurement (test_budget_serving_stack keeps it)
 NO_SERVING = ("--config", str(ROOT / "tests" / "configs" / "no_serving.yaml"))
-
-
-def seaweed_port_base() -> int:
-    """A free PIPPRUNE_S3_AUX_PORT_BASE: the block SeaweedFS pins plus its admin gRPC port (admin + 10000)."""
-    from infra.stack import ADMIN_GRPC_OFFSET, WEED_AUX_PORTS
-
-    return free_port_range(len(WEED_AUX_PORTS), also=(WEED_AUX_PORTS.index("admin.port") + ADMIN_GRPC_OFFSET,))
 
 
 def s3_of(env: dict[str, str]):  # boto3 clients are untyped

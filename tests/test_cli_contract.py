@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.stack import free_port
-from tests.helpers import NO_SERVING, ROOT, cli, seaweed_port_base
+from infra.stack import free_port, free_stack_ports
+from tests.helpers import NO_SERVING, ROOT, cli
 
 PRECIOUS = b"\x00user data \xff\xfe that pipprune must never touch\n"
 
@@ -226,8 +226,7 @@ def test_json_with_running_stack_then_out_and_overwrite(stack_env, tiny_referenc
 
 def _fresh_stack_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPPRUNE_", "MLFLOW_", "PREFECT_", "AWS_"))}
-    env.update(PIPPRUNE_HOME=str(home), PIPPRUNE_S3_PORT=str(free_port()), PIPPRUNE_MLFLOW_PORT=str(free_port()),
-               PIPPRUNE_PREFECT_PORT=str(free_port()), PIPPRUNE_S3_AUX_PORT_BASE=str(seaweed_port_base()))
+    env.update(PIPPRUNE_HOME=str(home), **{f"PIPPRUNE_{k.upper()}": str(v) for k, v in free_stack_ports().items()})
     return env
 
 

@@ -67,6 +67,16 @@ def test_internal_ports_follow_the_s3_port_and_two_s3_ports_never_share_one(tmp_
     assert LocalStack(explicit).aux_ports()["master.port"] == 21311
 
 
+def test_free_stack_ports_never_give_two_services_one_port(tmp_path):
+    """Ports drawn one by one once put Prefect inside the SeaweedFS block (`stack up` refused); one block cannot."""
+    from infra.stack import WEED_AUX_PORTS, LocalStack, free_stack_ports
+
+    for _ in range(20):
+        stack = LocalStack(settings_for(tmp_path, **free_stack_ports()))  # Settings validates each port
+        ports = [port for name in stack.urls for port, _, _ in stack.ports(name)]
+        assert len(ports) == len(set(ports)) == 3 + len(WEED_AUX_PORTS) + 1
+
+
 def test_two_stacks_differing_only_in_main_ports_share_no_port(tmp_path):
     first = settings_for(tmp_path / "a")
     second = settings_for(tmp_path / "b", s3_port=9410, mlflow_port=5410, prefect_port=4410)
