@@ -61,13 +61,13 @@ lint: install
 # Two pytest workers (pytest-xdist): most tests wait on servers and subprocesses, so two share the 2 cores
 # well; each worker starts its own stack, and torch runs one thread per process so they do not oversubscribe.
 # --dist loadfile: a module's tests stay together on one worker (module fixtures are built once); xdist hands out
-# the files with the most tests first (an explicit slowest-first order, --no-loadscope-reorder, measured slower).
+# the files in the order tests/conftest.py collects them (--no-loadscope-reorder): what needs no tiny model first.
 # OMP_WAIT_POLICY=PASSIVE: the controller's tiny-model build runs two torch threads beside the two workers; waiting
 # threads sleep instead of spinning on cores the workers need.
 TEST_WORKERS ?= 2
 test: install data lint
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 \
-		-n $(TEST_WORKERS) --dist loadfile
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Where the suite's time goes: CPU seconds by kind of process (CLI runs, servers, workers) while `make test` runs,
 # into benchmarks/results/suite_cpu.{json,md}; run it on an otherwise idle machine.

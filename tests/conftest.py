@@ -154,9 +154,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     """Tests that use the stack are marked `stack`, and those that build or load models `slow`, whatever their
     module says, so `make test-fast` (-m "not stack and not slow") is only pure unit tests.
 
-    Inside a file, its tests that need no tiny reference go first, so they run while it trains. (Which file a
-    worker gets next is xdist's choice: `--dist loadfile` hands out the files with the most tests first. An
-    explicit slowest-first order, tried on a clean clone, took 22 min 21 s against 18 min 40 s.)"""
+    The order is the order xdist hands files out in (`make test` passes --no-loadscope-reorder): first the files
+    none of whose tests needs the tiny reference, which the controller trains meanwhile (see _ReferenceBuild), the
+    ones on the stack first (they are the long ones); then the rest, the files with the most tests first (xdist's
+    own order). Inside a file, its tests that need no tiny reference go first. On a clean clone the two workers
+    otherwise reached a test that needs the model within 25 s and waited 64-68 s each for it."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if names & {"local_stack", "stack_env"}:
@@ -164,14 +166,18 @@ def pytest_collection_modifyitems(config, items) -> None:
         if names & {"tiny_reference_dir", "local_stack", "stack_env"}:
             item.add_marker(pytest.mark.slow)
 
-    def waits(item) -> bool:  # on the tiny reference the controller trains at the start (see _ReferenceBuild)
+    def waits(item) -> bool:
         return "tiny_reference_dir" in getattr(item, "fixturenames", ())
 
-    first = {}
-    for index, item in enumerate(items):
-        first.setdefault(item.nodeid.split("::")[0], index)
-    order = sorted(range(len(items)), key=lambda i: (first[items[i].nodeid.split("::")[0]], waits(items[i]), i))
-    items[:] = [items[i] for i in order]
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def file_order(name: str) -> tuple[bool, bool, int]:
+        tests = files[name]
+        return any(map(waits, tests)), not any(item.get_closest_marker("stack") for item in tests), -len(tests)
+
+    items[:] = [item for name in sorted(files, key=file_order) for item in sorted(files[name], key=waits)]
 
 
 def stack_settings(home: Path):  # infra.settings.Settings, imported lazily
