@@ -25,9 +25,10 @@ $(BIN)/python:
 # torch first, pinned: an unpinned torch would pull a CUDA build of several GB. pip's own output goes to
 # $(INSTALL_LOG) (shown in full when a step fails), so the console keeps one line per step. --no-compile: pip
 # would byte-compile every module of torch, transformers, MLflow and Prefect (127 s of a 169 s install measured
-# here against 42 s without). Instead pipprune.precompile imports what a run and the stack import, once, which
-# writes their bytecode: otherwise a fresh clone's first runs compile it in many processes at once (the suite's
-# first run on a clean clone 983 s, the next one 659 s).
+# here against 42 s without). Instead pipprune.precompile imports what a run, its runtimes and the stack import,
+# once, and writes the bytecode of those modules (~7,300, 40-45 s), even where PYTHONDONTWRITEBYTECODE is set:
+# otherwise every process of a clean clone's runs compiles them again (make test on a clean clone 923 s without,
+# 724 s with).
 INSTALL_LOG := $(STATE)/logs/install.log
 PIP_STEP = mkdir -p $(dir $(INSTALL_LOG)) && echo "pip install $(1)  (log: $(INSTALL_LOG))" && \
 	{ $(BIN)/pip install -q $(1) >> $(INSTALL_LOG) 2>&1 || { tail -n 40 $(INSTALL_LOG); exit 1; }; }

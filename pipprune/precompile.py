@@ -3,7 +3,7 @@
 `make install` runs pip with --no-compile (compiling every module of torch, transformers, MLflow and Prefect took
 127 s of a 169 s install), so nothing in the virtual environment has bytecode, and every process compiles each module
 it imports. Python writes that bytecode back only where PYTHONDONTWRITEBYTECODE is unset; where it is set (as on this
-machine and its CI) every one of the suite's hundreds of processes compiles the same thousands of modules again: a
+machine) every one of the suite's hundreds of processes compiles the same thousands of modules again: a
 clean clone's first suite took 859 s of pytest, the next run in the same clone (whose bytecode one child process
 without the variable had written) 633 s. So this module imports what those processes import, then writes the
 bytecode of every imported module that lies in the virtual environment, as pip's own compile step would have,
