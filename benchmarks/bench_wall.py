@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import time
 from datetime import datetime, timezone
 
-from benchmarks.common import ROOT, write
-
-
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
+from benchmarks.common import write
+from infra.version import git_sha
 
 
 def _stamp(epoch: float) -> str:
@@ -49,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         payload, table = measure(args.since, time.time() if args.until is None else args.until, args.target,
-                                 args.limit_min, args.commit or _commit())
+                                 args.limit_min, args.commit or git_sha())
     except ValueError as exc:
         parser.error(str(exc))
     print(write(args.name, payload, table))

@@ -16,6 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 NO_SERVING = ("--config", str(ROOT / "tests" / "configs" / "no_serving.yaml"))
 
 
+def stack_settings_env(settings) -> dict[str, str]:  # settings: infra.settings.Settings
+    """PIPPRUNE_* variables that make a CLI process see the stack of `settings` as its embedded stack."""
+    return {"PIPPRUNE_HOME": str(settings.home), "PIPPRUNE_S3_PORT": str(settings.s3_port),
+            "PIPPRUNE_MLFLOW_PORT": str(settings.mlflow_port), "PIPPRUNE_PREFECT_PORT": str(settings.prefect_port),
+            "PIPPRUNE_S3_AUX_PORT_BASE": str(settings.s3_aux_port_base)}
+
+
 def s3_of(env: dict[str, str]):  # boto3 clients are untyped
     """A boto3 S3 client with the credentials and endpoint of a client environment of the test stack."""
     return boto3.client("s3", endpoint_url=env["PIPPRUNE_S3_ENDPOINT_URL"], region_name="us-east-1",

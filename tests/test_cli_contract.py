@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.stack import free_port, free_stack_ports
-from tests.helpers import NO_SERVING, ROOT, cli
+from infra.stack import free_port
+from tests.conftest import stack_settings
+from tests.helpers import NO_SERVING, ROOT, cli, stack_settings_env
 
 PRECIOUS = b"\x00user data \xff\xfe that pipprune must never touch\n"
 
@@ -226,7 +227,7 @@ def test_json_with_running_stack_then_out_and_overwrite(stack_env, tiny_referenc
 
 def _fresh_stack_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPPRUNE_", "MLFLOW_", "PREFECT_", "AWS_"))}
-    env.update(PIPPRUNE_HOME=str(home), **{f"PIPPRUNE_{k.upper()}": str(v) for k, v in free_stack_ports().items()})
+    env.update(stack_settings_env(stack_settings(home)))
     return env
 
 

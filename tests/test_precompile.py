@@ -15,20 +15,19 @@ def test_precompile_writes_bytecode_under_its_root_even_when_python_would_not(tm
     from pipprune.precompile import compile_imported
 
     inside, outside = tmp_path / "venv", tmp_path / "src"
-    for folder, name in ((inside, "pp_inside_mod"), (outside, "pp_outside_mod")):
+    modules = {"pp_inside_mod": inside, "pp_outside_mod": outside}
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    for name, folder in modules.items():
         folder.mkdir()
         (folder / f"{name}.py").write_text("VALUE = 1\n")
         monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.setattr(sys, "dont_write_bytecode", True)
-    for name in ("pp_inside_mod", "pp_outside_mod"):
         monkeypatch.delitem(sys.modules, name, raising=False)
         importlib.import_module(name)
-    cached = {name: Path(importlib.util.cache_from_source(str(folder / f"{name}.py")))
-              for folder, name in ((inside, "pp_inside_mod"), (outside, "pp_outside_mod"))}
+    cached = {name: Path(importlib.util.cache_from_source(str(folder / f"{name}.py"))) for name, folder in modules.items()}
     assert not any(path.exists() for path in cached.values())  # the import wrote nothing
 
     assert compile_imported(inside.resolve()) == 1
     assert cached["pp_inside_mod"].is_file() and not cached["pp_outside_mod"].exists()
     assert compile_imported(inside.resolve()) == 0  # already there
-    for name in ("pp_inside_mod", "pp_outside_mod"):
+    for name in modules:
         sys.modules.pop(name, None)

@@ -19,20 +19,13 @@ from pathlib import Path
 import pytest
 
 from infra.stack import free_port
-from tests.helpers import NO_SERVING, cli
+from tests.helpers import NO_SERVING, cli, stack_settings_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
 NAME = "tiny-mlflow-model"
 BUCKET = "mlflow-model-tests"
 PROMPT = "It is a truth universally acknowledged"
-
-
-def _stack_settings_env(settings) -> dict[str, str]:
-    """PIPPRUNE_* variables that make a CLI process see the test stack as its embedded stack."""
-    return {"PIPPRUNE_HOME": str(settings.home), "PIPPRUNE_S3_PORT": str(settings.s3_port),
-            "PIPPRUNE_MLFLOW_PORT": str(settings.mlflow_port), "PIPPRUNE_PREFECT_PORT": str(settings.prefect_port),
-            "PIPPRUNE_S3_AUX_PORT_BASE": str(settings.s3_aux_port_base)}
 
 
 def _bare_env() -> dict[str, str]:
@@ -45,7 +38,7 @@ def _bare_env() -> dict[str, str]:
 def user_env(local_stack) -> dict[str, str]:
     """The exports `pipprune stack env` prints, read back as a shell would."""
     _stack, settings = local_stack
-    done = cli({**_bare_env(), **_stack_settings_env(settings)}, "stack", "env")
+    done = cli({**_bare_env(), **stack_settings_env(settings)}, "stack", "env")
     assert done.returncode == 0, done.stderr
     exports = {}
     for line in done.stdout.splitlines():
