@@ -26,7 +26,7 @@ $(BIN)/python:
 # $(INSTALL_LOG) (shown in full when a step fails), so the console keeps one line per step. --no-compile: pip
 # would byte-compile every module of torch, transformers, MLflow and Prefect (127 s of a 169 s install measured
 # here against 42 s without). Instead pipprune.precompile imports what a run, its runtimes and the stack import,
-# once, and writes the bytecode of those modules (~7,300, 40-45 s), even where PYTHONDONTWRITEBYTECODE is set:
+# once, and writes the bytecode of those modules (~7,300, 39-54 s), even where PYTHONDONTWRITEBYTECODE is set:
 # otherwise every process of a clean clone's runs compiles them again (make test on a clean clone 923 s without,
 # 724 s with).
 INSTALL_LOG := $(STATE)/logs/install.log

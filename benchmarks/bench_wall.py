@@ -1,7 +1,10 @@
-"""The wall time of a `make` benchmark target against its limit (`make bench`: 90 minutes on the 2-core machine).
+"""The wall time of a `make` target on a clean clone against its limit (`make bench`: 90 minutes, `make test`: 15, on
+the 2-core machine).
 
-The Makefile passes the epoch second it read when make started, so the figure covers everything the target does
-(install, reference build, runs, tables), and the result is JSON + a markdown row like every other benchmark.
+For `make bench` the Makefile passes the epoch second it read when make started, so the figure covers everything
+the target does (install, reference build, runs, tables). `make test` does not time itself (a suite run must not
+change committed results): its figure is written from a timed clean-clone run's start and end (`--since`, `--until`,
+`--commit`). The result is JSON + a markdown row like every other benchmark.
 """
 
 from __future__ import annotations

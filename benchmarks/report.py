@@ -27,6 +27,8 @@ REAL_VERSUS = ("recovery_versus_smollm2",)
 BENCH_ONE_SEED = (*(name.replace("smollm2", "smollm2_seed0") for name in (*REAL_GRID, *REAL_RATE)),
                   "recovery_curve_smollm2_seed0")
 BENCH_WALL = "make_bench"
+#: the make targets whose wall time on a clean clone has a limit (benchmarks.bench_wall): the benchmarks, the suite
+WALLS = (BENCH_WALL, "make_test")
 ORDER = [*REAL_GRID, *REAL_RATE, *REAL_RECOVERY, *REAL_VERSUS, *CANDIDATES, *CANDIDATE_SEEDS,
          "divergence_smollm2_block_paper_schedule",
          "divergence_small", "divergence_small_wordnet", "divergence_small_block_seeds", "divergence_small_block_seeds_wordnet",
@@ -170,8 +172,8 @@ def _versus_rows(result: dict) -> list[str]:
 def _wall_row(wall: dict) -> str:
     """The targets row of a timed make target (benchmarks.bench_wall)."""
     minutes, seconds = divmod(round(wall["wall_s"]), 60)
-    return (f"| `{wall['target']}` within {wall['limit_s'] / 60:g} min on a {wall['cpus']}-core machine, install and "
-            f"reference build included ({wall['commit']}) | {minutes} min {seconds} s | "
+    return (f"| `{wall['target']}` within {wall['limit_s'] / 60:g} min on a {wall['cpus']}-core machine, from make's "
+            f"start on a clean clone, install included ({wall['commit']}) | {minutes} min {seconds} s | "
             f"{'met' if wall['wall_s'] <= wall['limit_s'] else 'missed'} |")
 
 
@@ -188,8 +190,7 @@ def targets() -> list[str]:
     for name in REAL_VERSUS:
         if (result := _load(name)) is not None:
             lines += _versus_rows(result)
-    if (wall := _load(BENCH_WALL)) is not None:
-        lines.append(_wall_row(wall))
+    lines += [_wall_row(wall) for name in WALLS if (wall := _load(name)) is not None]
     if quality:
         lines += _quality_rows(quality)
     if cost:
