@@ -52,8 +52,6 @@ def _root(debug: bool = typer.Option(False, "--debug", help="show Python traceba
 
 def main(argv: list[str] | None = None) -> None:
     """The console script: one line and an exit code for every failure; a traceback only with --debug."""
-    import click
-
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
@@ -61,10 +59,10 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["PIPPRUNE_DEBUG"] = "1"
     try:
         code = app(args=args, prog_name="pipprune", standalone_mode=False)
-    except click.ClickException as exc:  # usage errors: unknown option, missing value
+    except typer.TyperException as exc:  # usage errors: unknown option, missing value (typer's own click)
         exc.show()
         code = BAD_INPUT
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except (KeyboardInterrupt, typer.Abort):
         print_error("interrupted")
         code = INTERRUPTED
     except Exception as exc:  # the catch-all that keeps tracebacks behind --debug
