@@ -7,6 +7,10 @@ limit] -> parent run: table + Pareto plot -> optional: the best point passing th
 
 from __future__ import annotations
 
+import os
+import socket
+import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +18,20 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
+from flows.compress import compress_flow
+from flows.deployments import COMPRESS
 from infra.sweep import SweepConfig, SweepPoint
 from infra.version import code_digest
-from tasks.sweep import deploy_point_flow, log_sweep, open_sweep_run, prepare_concurrency_limit, promote_best, run_point
+from tasks.sweep import (
+    PointRun,
+    deploy_point_flow,
+    log_sweep,
+    open_sweep_run,
+    prepare_concurrency_limit,
+    promote_best,
+    run_deployment_point,
+    run_point,
+)
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,15 +56,25 @@ def sweep_flow(sweep: SweepConfig, source: str = str(_PROJECT_ROOT)) -> SweepSum
     # 2. every point, on the pool's workers (in parallel, up to the limit) or one after another here (points in one
     #    process would share its model hand-off)
     if sweep.work_pool:
-        deployment = deploy_point_flow(sweep, source)
-        futures = [run_point.submit(p, k, parent, sweep, deployment) for p, k in zip(points, keys, strict=True)]
+        deployment = deploy_point_flow(sweep, source, COMPRESS.entrypoint)
+        on_pool = partial(run_deployment_point, deployment)
+        futures = [run_point.submit(p, k, parent, sweep, on_pool) for p, k in zip(points, keys, strict=True)]
         rows = [f.result() for f in futures]
     else:
-        rows = [run_point(p, k, parent, sweep, None) for p, k in zip(points, keys, strict=True)]
+        rows = [run_point(p, k, parent, sweep, run_here) for p, k in zip(points, keys, strict=True)]
     # 3. the parent run's table and Pareto plot; the best point passing the gates promoted
     counts = log_sweep(parent, sweep, rows)
     promoted = promote_best(sweep, rows)
     return SweepSummary(name=sweep.name, parent_run_id=parent, rows=rows, counts=counts, promoted=promoted)
+
+
+def run_here(point: SweepPoint) -> PointRun:
+    """`point` as a compress subflow in this process (the sweep's own flow run is its parent)."""
+    started = time.perf_counter()
+    state = compress_flow(point.config, return_state=True)
+    state.result()  # raises the point's own error
+    return PointRun(str(state.state_details.flow_run_id), f"subflow in {socket.gethostname()}:{os.getpid()}",
+                    time.perf_counter() - started)
 
 
 def point_key(point: SweepPoint) -> str:

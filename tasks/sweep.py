@@ -12,11 +12,11 @@ import contextlib
 import json
 import logging
 import math
-import os
-import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +71,26 @@ def prepare_concurrency_limit(sweep: SweepConfig) -> str:
     return limit_name(sweep)
 
 
+@dataclass(frozen=True)
+class PointRun:
+    """A point's finished compress flow run: its id, where it ran, and its wall time (None when unknown)."""
+
+    flow_run_id: str
+    where: str
+    wall_s: float | None
+
+
+#: runs one point's compress flow to its end and says which flow run it was (the flow layer supplies it:
+#: a deployment run on a work pool, or a compress subflow in this process)
+Launch = Callable[[SweepPoint], PointRun]
+
+
 @task(name="deploy-sweep-point")
-def deploy_point_flow(sweep: SweepConfig, source: str) -> str:
-    """The compress deployment the points run as on `sweep.work_pool` (code pulled from `source`)."""
+def deploy_point_flow(sweep: SweepConfig, source: str, entrypoint: str) -> str:
+    """The compress deployment (`entrypoint`) the points run as on `sweep.work_pool`, code pulled from `source`."""
     from prefect import flow
 
-    from flows.deployments import COMPRESS
-
-    deployable = flow.from_source(source=source, entrypoint=COMPRESS.entrypoint)
+    deployable = flow.from_source(source=source, entrypoint=entrypoint)
     with contextlib.redirect_stdout(sys.stderr):  # Prefect prints a table: stdout is the sweep's own
         deployable.deploy(name=sweep.deployment, work_pool_name=sweep.work_pool, build=False, push=False,
                           print_next_steps=False, ignore_warnings=True)
@@ -109,7 +121,7 @@ def _run_of_flow_run(flow_run_id: str) -> Any | None:
 
 @task(name="run-sweep-point", task_run_name="point {point.label}")
 def run_point(point: SweepPoint, point_key: str, parent_run_id: str, sweep: SweepConfig,
-              deployment: str | None) -> dict[str, Any]:
+              launch: Launch) -> dict[str, Any]:
     """One point: reused when a finished run has its key; else run (bounded by the sweep's concurrency limit).
 
     Never raises: a failed point is a row with status `failed` and its error, so the other points go on.
@@ -129,7 +141,7 @@ def run_point(point: SweepPoint, point_key: str, parent_run_id: str, sweep: Swee
             with concurrency([limit_name(sweep), _point_limit(point_key)], occupy=1, strict=True):
                 run = finished_run(point_key)
                 if run is None:
-                    run, status = _execute(point, point_key, deployment), "ran"
+                    run, status = _execute(point, point_key, launch), "ran"
         return _adopt(run, point, point_key, parent_run_id, sweep, status, time.perf_counter() - started)
     except Exception as exc:  # noqa: BLE001 - one failed point is reported, the sweep goes on
         log.error("point %s failed: %s: %s", point.label, type(exc).__name__, exc)
@@ -151,35 +163,31 @@ def _point_limit(point_key: str) -> str:
     return name
 
 
-def _execute(point: SweepPoint, point_key: str, deployment: str | None) -> Any:
-    """The point as a deployment run on the work pool, or as a compress subflow in this process; its run tagged
-    with the point's key before the point's slots are released (a waiting twin then finds it)."""
-    if deployment:
-        from prefect.deployments import run_deployment
+def run_deployment_point(deployment: str, point: SweepPoint) -> PointRun:
+    """`point` as a run of `deployment` on its work pool, waited for; raises unless it completed."""
+    from prefect.deployments import run_deployment
 
-        flow_run = run_deployment(deployment, parameters={"config": point.config.model_dump(mode="json")},
-                                  flow_run_name=f"point-{point.label}"[:100], timeout=None, poll_interval=3)
-        if not flow_run.state or not flow_run.state.is_completed():
-            message = flow_run.state.message if flow_run.state else "no state"
-            raise RuntimeError(f"flow run {flow_run.id} ended {flow_run.state.name if flow_run.state else '?'}: "
-                               f"{message}")
-        worker = (flow_run.labels or {}).get("prefect.worker.name", "?")  # set by the worker that took the run
-        flow_run_id, where = str(flow_run.id), f"worker {worker} (process {flow_run.infrastructure_pid or '?'})"
-        wall = (flow_run.end_time - flow_run.start_time).total_seconds() \
-            if flow_run.start_time and flow_run.end_time else None
-    else:
-        from flows.compress import compress_flow
+    flow_run = run_deployment(deployment, parameters={"config": point.config.model_dump(mode="json")},
+                              flow_run_name=f"point-{point.label}"[:100], timeout=None, poll_interval=3)
+    if not flow_run.state or not flow_run.state.is_completed():
+        message = flow_run.state.message if flow_run.state else "no state"
+        raise RuntimeError(f"flow run {flow_run.id} ended {flow_run.state.name if flow_run.state else '?'}: "
+                           f"{message}")
+    worker = (flow_run.labels or {}).get("prefect.worker.name", "?")  # set by the worker that took the run
+    wall = (flow_run.end_time - flow_run.start_time).total_seconds() \
+        if flow_run.start_time and flow_run.end_time else None
+    return PointRun(str(flow_run.id), f"worker {worker} (process {flow_run.infrastructure_pid or '?'})", wall)
 
-        started = time.perf_counter()
-        state = compress_flow(point.config, return_state=True)
-        state.result()  # raises the point's own error
-        wall = time.perf_counter() - started
-        flow_run_id, where = str(state.state_details.flow_run_id), f"subflow in {socket.gethostname()}:{os.getpid()}"
-    run = _run_of_flow_run(flow_run_id)
+
+def _execute(point: SweepPoint, point_key: str, launch: Launch) -> Any:
+    """The point launched; its run tagged with the point's key before the point's slots are released (a waiting
+    twin then finds it)."""
+    ran = launch(point)
+    run = _run_of_flow_run(ran.flow_run_id)
     if run is None:
-        raise RuntimeError(f"flow run {flow_run_id} finished but no MLflow run carries its id")
+        raise RuntimeError(f"flow run {ran.flow_run_id} finished but no MLflow run carries its id")
     client = mlflow_client()
-    for key, value in {WHERE_TAG: where, WALL_TAG: f"{wall:.1f}" if wall is not None else "",
+    for key, value in {WHERE_TAG: ran.where, WALL_TAG: f"{ran.wall_s:.1f}" if ran.wall_s is not None else "",
                        POINT_KEY_TAG: point_key}.items():
         if value:
             client.set_tag(run.info.run_id, key, value)
