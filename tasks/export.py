@@ -13,7 +13,6 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from infra.gguf_store import FORMAT, INHERITED, TAGS, PublishedGguf
-from infra.hashing import sha256_bytes
 from infra.mlflow_utils import mlflow_client
 from infra.settings import Settings
 from infra.tags import (
@@ -28,6 +27,7 @@ from infra.tags import (
 )
 from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
 from tasks.refs import ModelRef, SignatureRef
+from tasks.signing import sign_stored
 
 log = logging.getLogger(__name__)
 
@@ -216,29 +216,10 @@ def publish_gguf(gguf: GgufRef, parent: ParentRef, metrics: dict[str, float]) ->
 def sign_gguf(gguf: GgufRef, published: PublishedGguf) -> SignatureRef:
     """OpenSSF model signature of the export's folder, beside it in S3 (as sign_checkpoint does for checkpoints)."""
     from infra.s3store import CheckpointStore
-    from infra.signing import (
-        SigningError,
-        fingerprint,
-        public_key_pem,
-        resolve_signing_key,
-        sign_directory,
-        signature_uri,
-        signed_digests,
-        verify_directory,
-    )
 
     settings = Settings()
-    key = resolve_signing_key(settings)
-    public = public_key_pem(key)
     store = CheckpointStore.for_uri(settings, published.uri)
-    uri, folder = signature_uri(published.uri), Path(gguf.path).parent
-    body = store.get_bytes(uri)
-    if body is None or verify_directory(folder, body, public):
-        body = sign_directory(folder, key)
-        if signed_digests(body) != {published.file: published.sha256}:
-            raise SigningError(f"the local copy of {published.uri} differs from what was uploaded; not signing it")
-        store.put_bytes(uri, body)
-    return SignatureRef(uri=uri, sha256=sha256_bytes(body), key_fingerprint=fingerprint(public))
+    return sign_stored(store, published.uri, Path(gguf.path).parent, {published.file: published.sha256}, settings)
 
 
 def child_tags(parent: ParentRef, gguf: GgufRef, published: PublishedGguf, signature: SignatureRef,
