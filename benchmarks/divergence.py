@@ -28,13 +28,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
+from benchmarks.common import DEFAULT_MODEL, add_harness_args, calibration_pairs, write
 from pip_core.importance import CalibrationData
 
 #: `pip` is one of the named forms (importance.default_form), so it is not run twice
-METHODS = {"block": ["pip_l2", "pip_first_order", "pip_relative", "pip_repr", "pip_repr_cos", "pip_removal", "random",
-                     "magnitude", "taylor", "block_influence"],
-           "width": ["pip_l2", "pip_first_order", "pip_relative", "random", "magnitude", "taylor"]}
+METHODS = {"block": ["pip_l2", "pip_first_order", "pip_removal", "random", "magnitude", "taylor", "block_influence"],
+           "width": ["pip_l2", "pip_first_order", "random", "magnitude", "taylor"]}
 #: what each PIP form is compared with; pip_single_view and pip_removal_single_view are the no-perturbation
 #: ablations
 BASELINES = ("random", "magnitude", "taylor", "block_influence", "pip_single_view", "pip_removal_single_view")
@@ -299,15 +298,7 @@ def main() -> None:
     parser.add_argument("--fresh-perturbation", action="store_true",
                         help="perturb the calibration texts anew at every step (the paper's schedule with "
                              "--iterations = blocks to remove)")
-    parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--width-mode", default="uniform", choices=["uniform", "per_layer"],
-                        help="width units: same cut in every layer (the product default) or each layer its own")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
-    parser.add_argument("--heldout", default="persuasion,wordnet",
-                        help="comma list of persuasion, wordnet or JSONL/TXT files; the first names the main result, "
-                             "each other one writes NAME_<set>")
-    parser.add_argument("--resume", type=Path, default=None,
-                        help="JSONL of finished runs: runs found there are reused, new ones appended")
+    add_harness_args(parser)
     parser.add_argument("--report-only", action="store_true",
                         help="only tabulate the runs already in --resume (none is computed); the grid's runs not "
                              "there yet are listed as missing")

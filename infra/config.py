@@ -55,9 +55,9 @@ class ScoringSettings(_Group):
     # the model than any block criterion at 10% and 20% removed (PIP KL 0.83 vs the best block set's 1.04 at 0.2)
     unit: PruneTarget = Field("width", description="structural unit: width (attention head groups and MLP "
                                                    "channels) | attn | mlp | block (whole decoder layers)")
-    method: Method = Field("pip", description="criterion: pip | pip_l2 | pip_first_order | pip_relative | pip_repr | "
-                                          "pip_repr_cos | pip_single_view | random | magnitude | taylor | "
-                                          "block-influence")
+    method: Method = Field("pip", description="criterion: pip | pip_l2 | pip_first_order | pip_removal | "
+                                          "pip_single_view | pip_removal_single_view | random | magnitude | "
+                                          "taylor | block-influence")
     iterations: int = Field(4, ge=1, le=100, description="prune/re-score steps to reach the ratio")
     width_mode: WidthMode = Field("uniform", description="uniform | per-layer: uniform cuts every layer alike, so "
                                   "the output is the family's stock config (vLLM, llama.cpp load it) and "

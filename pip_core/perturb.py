@@ -30,6 +30,8 @@ class NotPerturbableError(CalibrationError):
 
 @dataclass(frozen=True)
 class Edit:
+    """One word changed: its index among the text's words, the word before and after, the edit (swap/replace/insert)."""
+
     position: int
     original_word: str
     new_word: str
@@ -38,6 +40,8 @@ class Edit:
 
 @dataclass(frozen=True)
 class PerturbedPair:
+    """A calibration text, its perturbed view and the edits between them."""
+
     original: str
     perturbed: str
     edits: tuple[Edit, ...]

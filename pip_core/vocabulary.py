@@ -16,18 +16,16 @@ PruneTarget = Literal["block", "attn", "mlp", "width"]
 KINDS: dict[str, tuple[str, ...]] = {"block": ("block",), "attn": ("attn",), "mlp": ("mlp",), "width": ("attn", "mlp")}
 
 #: `pip` is PIP in its default form (importance.PIP_DEFAULT_FORM); `pip_l2` is the paper's literal
-#: PertImport, `pip_first_order` sum |w * gradient difference|, `pip_relative` ||gradient difference|| /
-#: ||clean-view gradient|| per unit, `pip_repr` / `pip_repr_cos` the views' hidden-state difference through
-#: each block (forward only, blocks only), `pip_removal` the first-order change of the views' loss gap when a
-#: block is removed (blocks only), `pip_single_view` / `pip_removal_single_view` the no-perturbation ablations
-Method = Literal["pip", "pip_l2", "pip_first_order", "pip_relative", "pip_repr", "pip_repr_cos", "pip_removal",
-                 "pip_removal_single_view", "pip_single_view", "random", "magnitude", "taylor", "block_influence"]
+#: PertImport, `pip_first_order` sum |w * gradient difference|, `pip_removal` the first-order change of the
+#: views' loss gap when a block is removed (blocks only), `pip_single_view` / `pip_removal_single_view` the
+#: no-perturbation ablations (pip_core.importance says which forms were measured and removed)
+Method = Literal["pip", "pip_l2", "pip_first_order", "pip_removal", "pip_removal_single_view", "pip_single_view",
+                 "random", "magnitude", "taylor", "block_influence"]
 METHODS: tuple[str, ...] = get_args(Method)
 #: CLI spellings accepted for methods (the design card writes "block-influence")
 METHOD_ALIASES = {"block-influence": "block_influence"}
 #: methods that score whole blocks only
-BLOCK_ONLY_METHODS = frozenset({"block_influence", "pip_repr", "pip_repr_cos", "pip_removal",
-                                "pip_removal_single_view"})
+BLOCK_ONLY_METHODS = frozenset({"block_influence", "pip_removal", "pip_removal_single_view"})
 
 #: how width units are cut: the same count in every layer (the family's stock config, loads anywhere),
 #: or each layer its own count (custom config + modeling file)
