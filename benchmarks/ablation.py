@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
+from benchmarks.common import DEFAULT_MODEL, add_harness_args, calibration_pairs, write
 from benchmarks.divergence import N_BOOT, ci, heldout_texts, kl_comparison, metric_intervals, model_identity, prune_and_measure
 
 #: the ablated settings, in the order their tables are shown
@@ -190,14 +190,7 @@ def main() -> None:
     parser.add_argument("--default-pairs", type=int, default=32)
     parser.add_argument("--ratio", type=float, default=0.2)
     parser.add_argument("--seeds", default="0", help="comma list; several seeds add verdicts pooled over seeds")
-    parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--width-mode", default="uniform", choices=["uniform", "per_layer"])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
-    parser.add_argument("--heldout", default="persuasion,wordnet",
-                        help="comma list of persuasion, wordnet or JSONL/TXT files; the first names the main result, "
-                             "each other one writes NAME_<set>")
-    parser.add_argument("--resume", type=Path, default=None,
-                        help="JSONL of finished runs: runs found there are reused, new ones appended")
+    add_harness_args(parser)
     parser.add_argument("--name", default="ablation")
     args = parser.parse_args()
     started = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import time
@@ -51,3 +52,28 @@ class Timer:
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.start
+
+
+def add_harness_args(parser: argparse.ArgumentParser) -> None:
+    """The options of the KL harnesses (divergence, ablation): window, width mode, threads, held-out sets, resume."""
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--width-mode", default="uniform", choices=["uniform", "per_layer"],
+                        help="width units: same cut in every layer (the product default) or each layer its own")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
+    parser.add_argument("--heldout", default="persuasion,wordnet",
+                        help="comma list of persuasion, wordnet or JSONL/TXT files; the first names the main result, "
+                             "each other one writes NAME_<set>")
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="JSONL of finished runs: runs found there are reused, new ones appended")
+
+
+def quality_grid_parser(model: Path, ratios: str) -> argparse.ArgumentParser:
+    """The options of the lm-eval quality benchmarks (quality, width_mode): model, grid, items, pairs, steps."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, default=model)
+    parser.add_argument("--ratios", default=ratios)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--limit", type=int, default=300)
+    parser.add_argument("--pairs", type=int, default=32)
+    parser.add_argument("--iterations", type=int, default=2)
+    return parser

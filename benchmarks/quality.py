@@ -6,7 +6,6 @@ Usage: python -m benchmarks.quality [--model DIR] [--ratios 0.1,0.2,0.3] [--seed
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 import shutil
@@ -14,7 +13,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
+from benchmarks.common import DEFAULT_MODEL, calibration_pairs, quality_grid_parser, write
 
 METHODS = {"block": ["pip", "random", "magnitude", "taylor", "block_influence"],
            "width": ["pip", "random", "magnitude", "taylor"]}
@@ -44,15 +43,9 @@ def evaluate(model, tokenizer, model_dir: Path, limit: int, scratch: Path) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    parser.add_argument("--ratios", default="0.1,0.2,0.3")
-    parser.add_argument("--seeds", default="0,1,2")
+    parser = quality_grid_parser(DEFAULT_MODEL, "0.1,0.2,0.3")
     parser.add_argument("--seeds-other-ratios", default="0")
     parser.add_argument("--units", default="block,width")
-    parser.add_argument("--limit", type=int, default=300)
-    parser.add_argument("--pairs", type=int, default=32)
-    parser.add_argument("--iterations", type=int, default=2)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from pip_core import io, schedule

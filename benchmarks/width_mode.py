@@ -9,28 +9,21 @@ Usage: python -m benchmarks.width_mode [--model DIR] [--ratios 0.2] [--seeds 0,1
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
+from benchmarks.common import DEFAULT_MODEL, calibration_pairs, quality_grid_parser, write
 from benchmarks.quality import evaluate
 
 MODES = ("uniform", "per_layer")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    parser.add_argument("--ratios", default="0.2")
-    parser.add_argument("--seeds", default="0,1,2")
+    parser = quality_grid_parser(DEFAULT_MODEL, "0.2")
     parser.add_argument("--method", default="pip")
-    parser.add_argument("--limit", type=int, default=300)
-    parser.add_argument("--pairs", type=int, default=32)
-    parser.add_argument("--iterations", type=int, default=2)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from benchmarks.divergence import N_BOOT, ci, heldout_texts

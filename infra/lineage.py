@@ -14,33 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from infra import tags as tag_names
 from infra.gguf_store import ExportRecord, is_export, trace_export
 from infra.signing import SignatureCheck
-from infra.tags import (
-    CALIBRATION_HASH,
-    CODE_DIGEST,
-    CONFIG_DIGEST,
-    DATASET_DIGEST,
-    DATASET_PREFIX,
-    FINAL_CHECKPOINT,
-    GIT_SHA,
-    ITERATIONS,
-    LINEAGE,
-    LOGGED_MODEL_ID,
-    MANIFEST_SHA256,
-    MLFLOW_FILES_SHA256,
-    MLFLOW_RUN_ID,
-    MODEL_FINGERPRINT,
-    PREFECT_FLOW_RUN_ID,
-    RUN_KEY,
-    S3_URI,
-    SOURCE_FINGERPRINT,
-    SOURCE_GGUF_FILE,
-    SOURCE_GGUF_PATH,
-    SOURCE_GGUF_QUANT_TYPES,
-    SOURCE_GGUF_SHA256,
-    SOURCE_MODEL,
-)
 
 
 class LineageError(ValueError):
@@ -118,23 +94,23 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
     if is_export(tags):  # a GGUF child: its own file and signature, then the parent's whole chain
         return trace_export(client, mv, store_for_run_key, lambda n, v, verify: trace(
             client, store_for_run_key, n, v, verify), verify_signature)
-    if RUN_KEY not in tags:
+    if tag_names.RUN_KEY not in tags:
         raise LineageError(f"{name} v{mv.version} was not registered by pipprune (no pipprune.run_key tag)")
     problems: list[str] = []
-    run_id = tags.get(MLFLOW_RUN_ID, mv.run_id or "")
+    run_id = tags.get(tag_names.MLFLOW_RUN_ID, mv.run_id or "")
     if mv.run_id and run_id != mv.run_id:
         problems.append(f"tag pipprune.mlflow_run_id={run_id} but the version's run is {mv.run_id}")
     run = client.get_run(run_id)
-    for key in LINEAGE:
+    for key in tag_names.LINEAGE:
         if tags.get(key) != run.data.tags.get(key):
             problems.append(f"tag {key}: version says {tags.get(key)!r}, MLflow run says {run.data.tags.get(key)!r}")
     config = {k: v for k, v in run.data.params.items()}
     history = {m: {h.step: h.value for h in client.get_metric_history(run_id, m)}
                for m in ("num_params", "achieved_ratio", "heldout_perplexity")}
 
-    store = store_for_run_key(tags[RUN_KEY])
+    store = store_for_run_key(tags[tag_names.RUN_KEY])
     iterations: list[IterationRecord] = []
-    expected = int(tags.get(FINAL_CHECKPOINT, tags.get(ITERATIONS, "0")))
+    expected = int(tags.get(tag_names.FINAL_CHECKPOINT, tags.get(tag_names.ITERATIONS, "0")))
     refs = {ref.iteration: ref for ref in store.complete_checkpoints()}
     for i in range(1, expected + 1):
         ref = refs.get(i)
@@ -148,8 +124,8 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
         for metric, steps in history.items():
             if metric in metrics and i in steps and abs(steps[i] - metrics[metric]) > 1e-6 * max(1.0, abs(steps[i])):
                 problems.append(f"iteration {i}: {metric} in S3 is {metrics[metric]} but MLflow logged {steps[i]}")
-        if meta.get("lineage", {}).get(RUN_KEY) not in (None, tags[RUN_KEY]):
-            problems.append(f"iteration {i}: manifest belongs to run key {meta['lineage'][RUN_KEY]}")
+        if meta.get("lineage", {}).get(tag_names.RUN_KEY) not in (None, tags[tag_names.RUN_KEY]):
+            problems.append(f"iteration {i}: manifest belongs to run key {meta['lineage'][tag_names.RUN_KEY]}")
         problems.extend(_check_recovery(i, meta, refs.get(i - 1), tags))
         iterations.append(IterationRecord(
             iteration=i, stage=meta.get("stage", "prune"), s3_uri=ref.uri,
@@ -159,12 +135,12 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
             metrics=metrics, files_verified=len(ref.files) - len(mismatches)))
     final = refs.get(expected)
     if final is not None:
-        if final.manifest_sha256 != tags.get(MANIFEST_SHA256):
+        if final.manifest_sha256 != tags.get(tag_names.MANIFEST_SHA256):
             problems.append(f"final manifest sha256 {final.manifest_sha256[:12]} != registered "
                             f"{tags.get('pipprune.manifest_sha256', '')[:12]}")
-        if final.metadata.get("model_fingerprint") != tags.get(MODEL_FINGERPRINT):
+        if final.metadata.get("model_fingerprint") != tags.get(tag_names.MODEL_FINGERPRINT):
             problems.append("final model fingerprint in S3 differs from the registered one")
-        if not (tags.get(S3_URI) or "").startswith(final.uri):
+        if not (tags.get(tag_names.S3_URI) or "").startswith(final.uri):
             problems.append(f"registered S3 URI {tags.get('pipprune.s3_uri')} is not under {final.uri}")
         problems.extend(_check_mlflow_model(mv, tags, final, store))
     datasets = run_datasets(run)
@@ -174,13 +150,13 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
     if signature is not None:
         problems.extend(signature.problems)
     return Lineage(
-        signature=signature, name=name, version=str(mv.version), source_model=tags.get(SOURCE_MODEL, ""),
-        source_fingerprint=tags.get(SOURCE_FINGERPRINT, ""),
-        calibration_hash=tags.get(CALIBRATION_HASH, ""), config_digest=tags.get(CONFIG_DIGEST, ""),
-        code_digest=tags.get(CODE_DIGEST, ""), git_sha=tags.get(GIT_SHA, ""),
-        prefect_flow_run_id=tags.get(PREFECT_FLOW_RUN_ID, ""), mlflow_run_id=run_id,
-        final_s3_uri=tags.get(S3_URI, ""), config=config, iterations=iterations, problems=problems,
-        datasets=datasets, logged_model_id=tags.get(LOGGED_MODEL_ID) or getattr(mv, "model_id", None),
+        signature=signature, name=name, version=str(mv.version), source_model=tags.get(tag_names.SOURCE_MODEL, ""),
+        source_fingerprint=tags.get(tag_names.SOURCE_FINGERPRINT, ""),
+        calibration_hash=tags.get(tag_names.CALIBRATION_HASH, ""), config_digest=tags.get(tag_names.CONFIG_DIGEST, ""),
+        code_digest=tags.get(tag_names.CODE_DIGEST, ""), git_sha=tags.get(tag_names.GIT_SHA, ""),
+        prefect_flow_run_id=tags.get(tag_names.PREFECT_FLOW_RUN_ID, ""), mlflow_run_id=run_id,
+        final_s3_uri=tags.get(tag_names.S3_URI, ""), config=config, iterations=iterations, problems=problems,
+        datasets=datasets, logged_model_id=tags.get(tag_names.LOGGED_MODEL_ID) or getattr(mv, "model_id", None),
         source_gguf=source_gguf)
 
 
@@ -193,12 +169,12 @@ def _check_gguf_source(tags: dict[str, str], problems: list[str]) -> dict[str, A
 
     from infra.hashing import sha256_file
 
-    recorded = tags.get(SOURCE_GGUF_SHA256)
+    recorded = tags.get(tag_names.SOURCE_GGUF_SHA256)
     if not recorded:
         return None
-    path = Path(tags.get(SOURCE_GGUF_PATH) or tags.get(SOURCE_MODEL, ""))
-    info: dict[str, Any] = {"file": tags.get(SOURCE_GGUF_FILE), "path": str(path), "sha256": recorded,
-                            "quant_types": tags.get(SOURCE_GGUF_QUANT_TYPES), "present": path.is_file(),
+    path = Path(tags.get(tag_names.SOURCE_GGUF_PATH) or tags.get(tag_names.SOURCE_MODEL, ""))
+    info: dict[str, Any] = {"file": tags.get(tag_names.SOURCE_GGUF_FILE), "path": str(path), "sha256": recorded,
+                            "quant_types": tags.get(tag_names.SOURCE_GGUF_QUANT_TYPES), "present": path.is_file(),
                             "checked": False}
     if path.is_file():
         actual = sha256_file(path)
@@ -222,16 +198,16 @@ def _check_datasets(datasets: dict[str, dict[str, str]], tags: dict[str, str]) -
     """Version tags pipprune.dataset.<context>.digest must match the run's inputs; calibration matches its hash."""
     problems = []
     for key, digest in tags.items():
-        if not (key.startswith(DATASET_PREFIX) and key.endswith(".digest")):
+        if not (key.startswith(tag_names.DATASET_PREFIX) and key.endswith(".digest")):
             continue
-        context = key[len(DATASET_PREFIX):-len(".digest")]
+        context = key[len(tag_names.DATASET_PREFIX):-len(".digest")]
         logged = datasets.get(context, {}).get("digest")
         if logged != digest:
             problems.append(f"dataset {context}: version says digest {digest}, the run's input says {logged}")
-    calibration = tags.get(DATASET_DIGEST.format(context="calibration"))
-    if calibration and not tags.get(CALIBRATION_HASH, "").startswith(calibration):
+    calibration = tags.get(tag_names.DATASET_DIGEST.format(context="calibration"))
+    if calibration and not tags.get(tag_names.CALIBRATION_HASH, "").startswith(calibration):
         problems.append(f"dataset calibration: digest {calibration} is not the calibration hash "
-                        f"{tags.get(CALIBRATION_HASH, '')[:32]}")
+                        f"{tags.get(tag_names.CALIBRATION_HASH, '')[:32]}")
     return problems
 
 
@@ -243,7 +219,7 @@ def _check_mlflow_model(mv, tags: dict[str, str], final, store) -> list[str]:  #
     from infra.mlflow_model import FILES_MANIFEST
     from infra.s3store import split_uri
 
-    expected = tags.get(MLFLOW_FILES_SHA256)
+    expected = tags.get(tag_names.MLFLOW_FILES_SHA256)
     if expected is None:
         return []  # registered before versions were MLflow models: nothing more to check
     problems = []
@@ -276,7 +252,7 @@ def _check_recovery(i: int, meta: dict, previous, tags: dict[str, str]) -> list[
         problems.append(f"iteration {i}: recovery started from {str(meta.get('pruned_model_fingerprint'))[:12]}, "
                         f"not the checkpoint of step {i - 1}")
     if (meta.get("recovery") or {}).get("kind") == "kd" and \
-            meta.get("teacher_fingerprint") != tags.get(SOURCE_FINGERPRINT):
+            meta.get("teacher_fingerprint") != tags.get(tag_names.SOURCE_FINGERPRINT):
         problems.append(f"iteration {i}: distilled from teacher {str(meta.get('teacher_fingerprint'))[:12]}, "
-                        f"not the source model {tags.get(SOURCE_FINGERPRINT, '')[:12]}")
+                        f"not the source model {tags.get(tag_names.SOURCE_FINGERPRINT, '')[:12]}")
     return problems
