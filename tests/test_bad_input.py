@@ -70,6 +70,7 @@ CASES = {
     "calibration missing": (lambda w: compress(w, calibration="nope.jsonl"), "not found"),
     "config unknown key": (lambda w: ["compress", "--model", str(w / "llama"), "--config", str(w / "unknown-key.yaml")],
                            "ratoi"),
+    "no model and no config": (lambda w: ["compress", "--ratio", "0.2"], "--model is required"),
     "config ratio NaN": (lambda w: ["compress", "--model", str(w / "llama"), "--config", str(w / "nan.yaml")], "ratio"),
     "recovery kind unknown": (lambda w: compress(w, "--recovery", "distill", "--recovery-steps", "5"),
                               "recovery.kind"),

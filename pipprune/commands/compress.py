@@ -25,7 +25,8 @@ from pipprune.commands.common import (
 
 
 def compress(
-    model: str = typer.Option(..., help="Hugging Face hub id or local model directory"),
+    model: Optional[str] = typer.Option(None, help="a GGUF file, a Hugging Face hub id or a local model directory "
+                                        "(required unless --config names `model:`)"),
     ratio: Optional[float] = options.ratio(),
     target: Optional[str] = options.target(),
     unit: Optional[str] = options.unit(),
@@ -74,6 +75,9 @@ def compress(
     debug = os.environ.get("PIPPRUNE_DEBUG") == "1"  # --debug: every line and the traceback on the terminal
     log_file = None if (json_out or verbose or debug) else log_path_for(home(), "compress")
     with json_output(json_out) as doc, console_output(log_file) as console:
+        if model is None and config is None:
+            fail("--model is required: a GGUF file, a Hugging Face hub id or a local model directory (or --config "
+                 "with `model:`)")
         cfg = _compress_config(model, config, calibration, include_path, tasks, dict(
             ratio=ratio, target=target, unit=unit, width_mode=width_mode, align=align, serve_context=serve_context,
             serve_batch=serve_batch, method=method, iterations=iterations,
@@ -100,7 +104,7 @@ def _recovery_options(steps: int | None, kind: str | None) -> dict | None:
     return options or None
 
 
-def _compress_config(model: str, config: Path | None, calibration: str | None, include_path: str | None,
+def _compress_config(model: str | None, config: Path | None, calibration: str | None, include_path: str | None,
                      tasks: str | None, options: dict):  # infra.config.CompressConfig, lazily
     """The validated job config from the options and the config file; every problem is bad input (exit 2)."""
     from pydantic import ValidationError
@@ -131,7 +135,7 @@ def _compress_config(model: str, config: Path | None, calibration: str | None, i
              if isinstance(exc, ValidationError) else validation_message(exc))
 
 
-def _default_tasks(model: str, calibration: str | None, config: Path | None) -> tuple[str | None, str | None, str]:
+def _default_tasks(model: str | None, calibration: str | None, config: Path | None) -> tuple[str | None, str | None, str]:
     """The local lm-eval tasks a run gets when none are named, and why (shown in the summary).
 
     A reference build's own tasks, else those of the reference build the calibration comes from:
