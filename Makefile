@@ -47,7 +47,7 @@ data:
 	bash scripts/install_data_packages.sh
 
 # The real reference (SmolLM2-135M-Instruct, pretrained) compressed with the settings the quality figures support
-# (README "Quality on a real model"); the console shows one line per stage, the summary with both models'
+# (README "Quality on the real model", docs/quality.md); the console shows one line per stage, the summary with both models'
 # continuations and the verdict; everything else goes to the log file it names.
 demo: install data
 	$(BIN)/pipprune reference build --size smollm2-135m --out $(REF_REAL)
@@ -208,7 +208,7 @@ bench: install data $(REAL_MODEL)/manifest.json
 	$(BIN)/python -m benchmarks.bench_wall --since $(BENCH_T0) --name make_bench --target "make bench" --limit-min 90
 	$(BIN)/python -m benchmarks.report
 # the default (width, pip) at 0.2, then no recovery, LoRA on the LM loss and LoRA KD at 10 and 20 steps (full-weight
-# KD and 40 steps: make bench-real's curve commands in the README)
+# KD and 40 steps: make bench-real's curve commands)
 bench-recovery-seed0: install data $(REAL_MODEL)/manifest.json
 	mkdir -p $(BENCH_RUNS)
 	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.recovery --compare --model $(REAL_MODEL) --steps 10,20 \

@@ -38,7 +38,7 @@ SYSTEM = {"torch", "triton"}
 SYSTEM_PREFIXES = ("nvidia-",)
 #: requirements of pipprune that the compress flow (and the stack it starts) never imports, with the reason.
 #: Their own requirements are left out too unless something kept needs them. Checked by running the flow with only
-#: the kept set installed (benchmarks/gpu_wheels.py's docstring, README "GPU check").
+#: the kept set installed (benchmarks/gpu_wheels.py's docstring, docs/scale-out.md "Devices and dtypes").
 NOT_NEEDED = {
     "lm-eval": "imported only by `--tasks` evaluation (infra/lmeval.py); gpu_check's flow runs no lm-eval task",
     "rdata": "imported only by the reference builder (infra/reference/sources.py)",

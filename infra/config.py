@@ -51,7 +51,7 @@ class CalibrationSettings(_Group):
 class ScoringSettings(_Group):
     """What is pruned, by which criterion, in how many re-scored steps."""
 
-    # width: on the real model (SmolLM2-135M-Instruct, 3 seeds, README "Quality") uniform width keeps far more of
+    # width: on the real model (SmolLM2-135M-Instruct, 3 seeds, docs/quality.md) uniform width keeps far more of
     # the model than any block criterion at 10% and 20% removed (PIP KL 0.83 vs the best block set's 1.04 at 0.2)
     unit: PruneTarget = Field("width", description="structural unit: width (attention head groups and MLP "
                                                    "channels) | attn | mlp | block (whole decoder layers)")

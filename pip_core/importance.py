@@ -36,7 +36,7 @@ from pip_core.vocabulary import METHODS
 
 log = logging.getLogger(__name__)
 
-#: the form `pip` uses for width units (attention groups, MLP channels; see pert_import and the README's PIP
+#: the form `pip` uses for width units (attention groups, MLP channels; see pert_import and docs/quality.md's PIP
 #: section for the evidence)
 PIP_DEFAULT_FORM = "l2"
 #: the form `pip` uses for whole blocks

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's worked example ("Large models and distributed execution"): from a clean stack, a sweep of
+# The worked example of docs/scale-out.md: from a clean stack, a sweep of
 # 6 points on a process work pool served by 2 workers, then the same sweep again (every point reused).
 # Usage: bash scripts/sweep_pool_demo.sh [REFERENCE_DIR] [OUT_DIR]
 # Ports: set PIPPRUNE_S3_PORT / PIPPRUNE_MLFLOW_PORT / PIPPRUNE_PREFECT_PORT when another stack uses the defaults.
