@@ -24,7 +24,7 @@ from infra.progress import StepProgress, stage
 from infra.settings import Settings
 from pip_core.schedule import plan, step_spec
 from tasks.budget import aligned, log_budget, plan_budget
-from tasks.calibration import prepare_calibration
+from tasks.calibration import prepare_calibration, resolve_calibration
 from tasks.evaluation import eval_provenance, evaluate, quick_eval, tasks_digest
 from tasks.models import placement_for, resolve_source
 from tasks.pruning import checkpoint, prune_step
@@ -60,7 +60,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     source = resolve_source(config.model)
     check_export(config, source.model)  # export: a model GGUF cannot express is refused before any work
     budget = plan_budget(config, source)  # the target as a removal ratio and aligned widths, from config.json alone
-    calib = prepare_calibration(config.calibration, config.seed)
+    texts = resolve_calibration(config.calibration, config.seed, source.model, config.runtime)  # self, mixes: drawn
+    calib = prepare_calibration(texts, config.seed)
     run_key = records.run_key_for(config, source.model.fingerprint, calib.data_hash, calib.wordlist_hash)
     lineage = records.lineage_tags(config, run_key, source, calib, str(flow_run.id))
     stage(f"inputs: {config.model}: {source.model.num_params:,} parameters; {calib.n_pairs} calibration pairs")

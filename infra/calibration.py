@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -18,6 +18,7 @@ from datasets import Dataset
 
 from infra.hashing import sha256_file
 from pip_core.errors import CalibrationError
+from pip_core.wordlist import WordList
 
 
 class CalibrationDataError(CalibrationError):
@@ -113,6 +114,53 @@ def windows(texts: Iterable[str], words_per_window: int, n: int | None, seed: in
         picked = sorted(random.Random(seed).sample(range(len(out)), n))
         out = [out[i] for i in picked]
     return out
+
+
+#: the calibration source that is the model itself (pip_core.self_calibration)
+SELF = "self"
+
+
+def parse_sources(spec: str) -> list[tuple[str, float]]:
+    """`--calibration` as (source, weight) pairs, weights summing to 1: one source (a file, a reference model
+    directory, or `self`), or several mixed by weight, e.g. `self:0.5,calib.jsonl:0.5`."""
+    parts = []
+    for item in (p.strip() for p in spec.split(",")):
+        source, sep, weight = item.rpartition(":")
+        try:
+            value = float(weight) if sep else 1.0
+        except ValueError:  # a ':' that is part of the path
+            source, value = item, 1.0
+        source = source if sep and source else item
+        if not source or not value > 0 or value == float("inf"):
+            raise CalibrationDataError(f"calibration source {item!r} in {spec!r}: write SOURCE or SOURCE:WEIGHT with "
+                                       "a weight > 0, sources separated by commas")
+        parts.append((source, value))
+    total = sum(w for _, w in parts)
+    return [(source, weight / total) for source, weight in parts]
+
+
+def draw_sources(spec: str, total: int, seed: int, sample_self: Callable[[int], tuple[list[str], WordList]],
+                 wordlist: str | None = None) -> tuple[list[dict], WordList]:
+    """`total` calibration rows drawn from the sources of `spec` by weight (`parse_sources`), each row's `source`
+    named, and the word list that decides the perturber's edits: `wordlist` when given, else the union of each
+    source's own (a file's wordlist.txt beside it, else its texts' words; `self`: `sample_self`'s)."""
+    sources = parse_sources(spec)
+    counts = [round(weight * total) for _, weight in sources]
+    counts[-1] = max(1, total - sum(counts[:-1]))
+    rows: list[dict] = []
+    lists: list[WordList] = []
+    for (source, _), count in zip(sources, counts, strict=True):
+        if source == SELF:
+            texts, words = sample_self(count)
+        else:
+            found = CalibrationSource(source)
+            texts = list(load_calibration(found.path, n_samples=count, seed=seed)["text"])
+            words = WordList.from_file(found.wordlist) if found.wordlist else WordList.from_texts(texts)
+        rows += [{"text": t, "source": source} for t in texts]
+        lists.append(words)
+    if wordlist:
+        return rows, WordList.from_file(wordlist)
+    return rows, WordList(frozenset().union(*(w.words for w in lists)))
 
 
 class CalibrationSource:

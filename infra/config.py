@@ -22,6 +22,7 @@ from pip_core.vocabulary import (
     BLOCK_ONLY_METHODS,
     MAX_RATIO,
     METHOD_ALIASES,
+    WIDTH_ONLY_METHODS,
     KdParams,
     Method,
     PruneTarget,
@@ -39,7 +40,8 @@ class _Group(BaseModel):
 class CalibrationSettings(_Group):
     """Which texts are scored, how many, how long, and how they are perturbed."""
 
-    source: str = Field(description="calibration JSONL/TXT file, or a reference model dir")
+    source: str = Field("self", description="calibration JSONL/TXT file, a reference model dir, or self (texts "
+                        "sampled from the model); several mixed by weight: self:0.5,calib.jsonl:0.5")
     wordlist: str | None = Field(None, description="word list deciding real words for the perturber "
                                                    "(default: beside the calibration file)")
     n_samples: int = Field(128, ge=1, le=100_000, description="calibration pairs scored per step (128: the ablations)")
@@ -57,7 +59,7 @@ class ScoringSettings(_Group):
                                                    "channels) | attn | mlp | block (whole decoder layers)")
     method: Method = Field("pip", description="criterion: pip | pip_l2 | pip_first_order | pip_removal | "
                                           "pip_single_view | pip_removal_single_view | random | magnitude | "
-                                          "taylor | block-influence")
+                                          "taylor | block-influence | minitron | wanda_sp")
     iterations: int = Field(4, ge=1, le=100, description="prune/re-score steps to reach the ratio")
     width_mode: WidthMode = Field("uniform", description="uniform | per-layer: uniform cuts every layer alike, so "
                                   "the output is the family's stock config (vLLM, llama.cpp load it) and "
@@ -90,6 +92,9 @@ class ScoringSettings(_Group):
     def _check_method_unit(self) -> ScoringSettings:
         if self.method in BLOCK_ONLY_METHODS and self.unit != "block":
             raise ValueError(f"method {self.method!r} scores whole blocks: use --unit block")
+        if self.method in WIDTH_ONLY_METHODS and self.unit == "block":
+            raise ValueError(f"method {self.method!r} scores attention groups and MLP channels: use --unit width, "
+                             "attn or mlp")
         return self
 
 
@@ -115,6 +120,11 @@ class EvaluationSettings(_Group):
         if isinstance(value, str):
             return tuple(t.strip() for t in value.split(",") if t.strip())
         return value
+
+
+#: the recovery a pretrained model gets when it brings no calibration data (the CLI's default: `--calibration self`):
+#: distillation from the dense model on the texts it sampled (benchmarks/results: recovery_curve_smollm2_width_self)
+PRETRAINED_RECOVERY = {"steps": 40, "kind": "kd"}
 
 
 class RecoverySettings(_Group):

@@ -22,7 +22,7 @@ class ServiceUnreachable(PreflightError):
 
 def check_inputs(config: CompressConfig) -> None:
     """Model directory, architecture, tokenizer, calibration file, memory: all before any work."""
-    from infra.calibration import CalibrationSource, load_calibration
+    from infra.calibration import SELF, CalibrationSource, load_calibration, parse_sources
     from infra.model_source import local_model_dir
     from pip_core import io as core_io
     from pip_core.placement import plan_placement, resolve_device
@@ -31,8 +31,12 @@ def check_inputs(config: CompressConfig) -> None:
     local = local_model_dir(config.model)
     model_config = core_io.check_loadable(local)
     core_io.check_tokenizer(local)
-    source = CalibrationSource(config.calibration.source, config.calibration.wordlist)
-    load_calibration(source.path)
+    sources = parse_sources(config.calibration.source)
+    for name, _ in sources:
+        if name != SELF:
+            load_calibration(CalibrationSource(name, None if len(sources) > 1 else config.calibration.wordlist).path)
+    if config.calibration.wordlist and not Path(config.calibration.wordlist).expanduser().is_file():
+        raise FileNotFoundError(f"word list not found: {config.calibration.wordlist}")
     if config.evaluation.tasks:
         check_eval_tasks(config.evaluation.tasks, config.evaluation.include_path)
     check_budget(config, model_config)  # from config.json alone: an infeasible target reads no weights

@@ -32,7 +32,7 @@ from pip_core import chunked_loss, families
 from pip_core.errors import CalibrationError, PipCoreError
 from pip_core.recompute import activation_checkpointing
 from pip_core.units import Unit, check_supported, decoder_layers, family_of, unit_tensors
-from pip_core.vocabulary import METHODS
+from pip_core.vocabulary import METHODS, WIDTH_ONLY_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -360,6 +360,60 @@ def _removal_sums(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]],
     return torch.stack([total[u.layer] for u in units]), len(pairs)
 
 
+@torch.no_grad()
+def _activation_sums(model: nn.Module, tokenizer, texts: Sequence[str], units: Sequence[Unit],  # noqa: ANN001
+                     max_length: int, progress: bool, method: str) -> tuple[torch.Tensor, int]:
+    """Forward-only width criteria read at the input of the module that consumes a unit's output (o_proj for a KV
+    group's heads, down_proj for an MLP channel; the family's slot on dim 1). "minitron" (Minitron, arXiv
+    2407.14679): the per-token L2 norm of the unit's activations, summed over tokens (divide by the count).
+    "wanda_sp" (structured Wanda, as FLAP's baseline): per input channel ||X_j||_2 over all tokens times the
+    consumer's column sum_i |W_ij|, summed over the unit's channels (count 1: a whole-set statistic)."""
+    if any(u.kind == "block" for u in units):
+        raise PipCoreError(f"{method} scores attention groups and MLP channels only; use unit kind width, attn or mlp")
+    family = family_of(model)
+    layers = families.decoder_layers(model, family)
+    rows: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
+    for row, u in enumerate(units):
+        rows[(u.kind, u.layer)][u.index] = row
+    total = torch.zeros(len(units), dtype=torch.float64)
+    squares: dict[tuple[str, int], torch.Tensor] = {}
+    handles = []
+    for (kind, i), of_layer in rows.items():
+        slot = next(s for s in family.slots(kind) if s.dim == 1)
+        n = families.layer_shape(layers[i], family).units(kind)
+        if len(of_layer) != n:
+            raise PipCoreError(f"layer {i} has {n} {kind} units but {len(of_layer)} were given; score all units of a kind")
+        owner = families.owners(slot, families.layer_shape(layers[i], family), kind)
+        unit_rows = torch.tensor([of_layer[j] for j in range(n)])
+
+        def hook(module: nn.Module, args: tuple, key: tuple[str, int] = (kind, i), owner: torch.Tensor = owner,
+                 unit_rows: torch.Tensor = unit_rows) -> None:
+            x = args[0].reshape(-1, args[0].shape[-1]).double().cpu()
+            if method == "wanda_sp":
+                squares[key] = squares.get(key, 0) + x.pow(2).sum(0)
+                return
+            per_unit = torch.zeros(x.shape[0], len(unit_rows), dtype=torch.float64).index_add_(1, owner, x.pow(2))
+            total.index_add_(0, unit_rows, per_unit.sqrt().sum(0))
+        handles.append(families.get_module(layers[i], slot.module).register_forward_pre_hook(hook))
+    count = 0
+    try:
+        for s in tqdm(_encode(tokenizer, texts, max_length), desc=f"{method} activations", disable=not progress):
+            model(input_ids=s.unsqueeze(0).to(next(model.parameters()).device))
+            count += s.numel()
+    finally:
+        for h in handles:
+            h.remove()
+    if method != "wanda_sp":
+        return total, count
+    for (kind, i), sq in squares.items():
+        slot = next(s for s in family.slots(kind) if s.dim == 1)
+        weight = families.get_module(layers[i], slot.module).weight.detach().double().abs().sum(0).cpu()
+        owner = families.owners(slot, families.layer_shape(layers[i], family), kind)
+        unit_rows = torch.tensor([rows[(kind, i)][j] for j in range(len(rows[(kind, i)]))])
+        total.index_add_(0, unit_rows[owner], sq.sqrt() * weight)
+    return total, 1
+
+
 def random_scores(units: Sequence[Unit], seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.rand(len(units), generator=generator, dtype=torch.float64)
@@ -387,7 +441,9 @@ class CalibrationData:
 #: calibration set add up to the whole set's sums, so these score data-parallel (`score_sums` per shard, then
 #: `reduce_sums`). Taylor is not among them (|w * g| of the summed gradient is no sum of per-shard terms);
 #: random and magnitude read no data.
-SHARDABLE_METHODS = frozenset(m for m in METHODS if m.startswith("pip")) | {"block_influence"}
+SHARDABLE_METHODS = frozenset(m for m in METHODS if m.startswith("pip")) | {"block_influence", "minitron"}
+#: forward-only width criteria of the consumer's input activations (`_activation_sums`)
+ACTIVATION_METHODS = WIDTH_ONLY_METHODS
 
 
 def score(model: nn.Module, method: str, units: Sequence[Unit], data: CalibrationData = CalibrationData(), *,
@@ -441,6 +497,8 @@ def _sums(model: nn.Module, data: CalibrationData, method: str, units: Sequence[
     tokenizer, pairs = data.tokenizer, data.pair_list
     if method == "block_influence":
         return _influence_sums(model, tokenizer, data.text_list, units, max_length, progress)
+    if method in ACTIVATION_METHODS:
+        return _activation_sums(model, tokenizer, data.text_list, units, max_length, progress, method)
     kinds = {u.kind for u in units}
     form = (default_form("block" if kinds == {"block"} else "width") if method == "pip"
             else method.removeprefix("pip_"))

@@ -18,14 +18,17 @@ KINDS: dict[str, tuple[str, ...]] = {"block": ("block",), "attn": ("attn",), "ml
 #: `pip` is PIP in its default form (importance.PIP_DEFAULT_FORM); `pip_l2` is the paper's literal
 #: PertImport, `pip_first_order` sum |w * gradient difference|, `pip_removal` the first-order change of the
 #: views' loss gap when a block is removed (blocks only), `pip_single_view` / `pip_removal_single_view` the
-#: no-perturbation ablations (pip_core.importance says which forms were measured and removed)
+#: no-perturbation ablations (pip_core.importance says which forms were measured and removed); `minitron` and
+#: `wanda_sp` are forward-only activation baselines for width units
 Method = Literal["pip", "pip_l2", "pip_first_order", "pip_removal", "pip_removal_single_view", "pip_single_view",
-                 "random", "magnitude", "taylor", "block_influence"]
+                 "random", "magnitude", "taylor", "block_influence", "minitron", "wanda_sp"]
 METHODS: tuple[str, ...] = get_args(Method)
 #: CLI spellings accepted for methods (the design card writes "block-influence")
 METHOD_ALIASES = {"block-influence": "block_influence"}
 #: methods that score whole blocks only
 BLOCK_ONLY_METHODS = frozenset({"block_influence", "pip_removal", "pip_removal_single_view"})
+#: methods that score attention groups and MLP channels only
+WIDTH_ONLY_METHODS = frozenset({"minitron", "wanda_sp"})
 
 #: how width units are cut: the same count in every layer (the family's stock config, loads anywhere),
 #: or each layer its own count (custom config + modeling file)

@@ -1,4 +1,6 @@
-"""prepare_calibration: calibration texts -> (original, perturbed) pairs + held-out texts on disk."""
+"""Calibration: `resolve_calibration` turns the source the user named (a file, a reference directory, `self`, or
+a weighted mix) into one file of texts and its word list; `prepare_calibration` turns that file into (original,
+perturbed) pairs and held-out texts on disk."""
 
 from __future__ import annotations
 
@@ -10,13 +12,13 @@ from prefect import task
 from prefect.context import TaskRunContext
 
 from infra import atomic
-from infra.calibration import CalibrationSource, calibration_hash, load_calibration
-from infra.config import CalibrationSettings
+from infra.calibration import SELF, CalibrationSource, calibration_hash, draw_sources, load_calibration, parse_sources
+from infra.config import CalibrationSettings, RuntimeSettings
 from infra.settings import Settings
 from pip_core.perturb import Perturber
 from pip_core.wordlist import WordList
-from tasks._common import key_from
-from tasks.refs import CalibrationRef
+from tasks._common import content_key, key_from
+from tasks.refs import CalibrationRef, ModelRef
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,43 @@ log = logging.getLogger(__name__)
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     """Atomic, via a temp file of this call alone: runs with other keys may write the same pairs at once."""
     atomic.write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
+def _mix_key(context: TaskRunContext, parameters: dict) -> str:
+    """The settings, seed and model plus the content of every file named in the mix."""
+    settings = parameters["settings"]
+    files = [CalibrationSource(source).digest() for source, _ in parse_sources(settings.source) if source != SELF]
+    return key_from("settings", "seed", "model", "files")(context, {**parameters, "files": files})
+
+
+@task(name="resolve-calibration", cache_key_fn=_mix_key, persist_result=True, result_serializer="json")
+def resolve_calibration(settings: CalibrationSettings, seed: int, model: ModelRef,
+                        runtime: RuntimeSettings = RuntimeSettings()) -> CalibrationSettings:
+    """`settings` with `source` and `wordlist` naming one file each. A single file or reference directory is
+    returned as it is; `self` and mixes are drawn here (n_samples + heldout_samples texts in all, each source its
+    weight's share; `self` texts are sampled from `model`, seeded) and written, with their word list, under the
+    work directory, so the pairs, the recovery and the run's dataset all read the same texts."""
+    from pip_core.self_calibration import model_word_list, sampled_texts
+    from tasks.models import load_model
+
+    if settings.source != SELF and parse_sources(settings.source) == [(settings.source, 1.0)]:
+        return settings  # one file or reference directory, read as it is
+
+    def sample_self(n: int) -> tuple[list[str], WordList]:
+        net, tokenizer = load_model(model, runtime, seq_len=settings.max_length)
+        texts = sampled_texts(net, tokenizer, n, settings.max_length, seed)
+        return texts, model_word_list(net, tokenizer, texts)
+
+    rows, words = draw_sources(settings.source, settings.n_samples + settings.heldout_samples, seed, sample_self,
+                               settings.wordlist)
+    log.info("calibration %s: %d texts (%s)", settings.source, len(rows),
+             ", ".join(f"{sum(r['source'] == s for r in rows)} from {s}" for s in dict.fromkeys(r["source"] for r in rows)))
+    key = content_key(settings.model_dump(), seed, model.fingerprint, [r["text"] for r in rows])
+    out = Settings().work_dir / "calibration" / "resolved" / key[:16]
+    out.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(out / "calibration.jsonl", rows)
+    atomic.write_text(out / "wordlist.txt", "\n".join(sorted(words.words)) + "\n")
+    return settings.model_copy(update={"source": str(out / "calibration.jsonl"), "wordlist": str(out / "wordlist.txt")})
 
 
 def _content_key(context: TaskRunContext, parameters: dict) -> str:

@@ -18,6 +18,7 @@ from prefect import task
 
 from infra import run_info
 from infra.mlflow_utils import flatten_params, mlflow_client
+from infra.settings import Settings
 from infra.tags import DATASET_DIGEST, DATASET_SOURCE, RUN_KEY
 from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
 from tasks.refs import CalibrationRef
@@ -228,4 +229,7 @@ def log_datasets(run_id: str, calib: CalibrationRef) -> dict[str, str]:
         tags[DATASET_SOURCE.format(context=context)] = uri
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
+    if Path(uri).resolve().is_relative_to(Settings().work_dir.resolve()):  # texts pipprune drew (self, a mix): kept
+        client.log_artifact(run_id, uri, "calibration")
+        client.log_artifact(run_id, str(Path(uri).with_name("wordlist.txt")), "calibration")
     return tags

@@ -37,7 +37,7 @@ def compress(
     method: Optional[str] = typer.Option(None, help=config_help("scoring.method")),
     iterations: Optional[int] = options.iterations(),
     calibration: Optional[str] = typer.Option(None, help=config_help(
-        "calibration.source", "(default: the model dir itself when it is a reference build)")),
+        "calibration.source", "(default: the model dir itself when it is a reference build, else self)")),
     wordlist: Optional[str] = typer.Option(None, help=config_help("calibration.wordlist")),
     n_samples: Optional[int] = typer.Option(None, help=config_help("calibration.n_samples")),
     seed: Optional[int] = typer.Option(None, help=config_help("seed")),
@@ -109,7 +109,8 @@ def _compress_config(model: str | None, config: Path | None, calibration: str | 
     """The validated job config from the options and the config file; every problem is bad input (exit 2)."""
     from pydantic import ValidationError
 
-    from infra.config import CompressConfig, load_config_file
+    from infra.calibration import SELF
+    from infra.config import PRETRAINED_RECOVERY, CompressConfig, load_config_file
     from infra.model_source import ModelNotFoundError, local_model_dir
 
     if calibration is None and not config:
@@ -117,9 +118,11 @@ def _compress_config(model: str | None, config: Path | None, calibration: str | 
             local = local_model_dir(model)  # "model not found" comes before "--calibration is required"
         except ModelNotFoundError as exc:
             fail(str(exc))
-        if not (local / "calibration" / "calibration.jsonl").is_file():
-            fail("--calibration is required (a JSONL/TXT file of texts, or a reference model directory)")
-        calibration = model
+        # a reference build calibrates on its own corpus; a pretrained model on texts sampled from itself, and then
+        # recovers by distillation on them unless told otherwise (infra.config.PRETRAINED_RECOVERY)
+        calibration = model if (local / "calibration" / "calibration.jsonl").is_file() else SELF
+        if calibration == SELF and options.get("recovery") is None:
+            options = {**options, "recovery": dict(PRETRAINED_RECOVERY)}
     tasks_origin = None
     if include_path is None and tasks is None:
         include_path, tasks, tasks_origin = _default_tasks(model, calibration, config)
