@@ -148,7 +148,7 @@ REAL_DIV = OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.divergence --model $(RE
 	--threads 1 --heldout persuasion,wordnet --seeds $(REAL_SEEDS)
 # ratio 0.2: every method; 0.1 and 0.3: PIP's default form against the two strongest baselines of the 0.2 cell
 REAL_block_METHODS := pip_l2,block_influence,taylor,pip_removal,magnitude,random,pip_single_view,pip_first_order,pip_removal_single_view
-REAL_width_METHODS := pip_l2,taylor,magnitude,random,pip_first_order,pip_single_view
+REAL_width_METHODS := pip_l2,taylor,magnitude,random,pip_first_order,pip_single_view,minitron,wanda_sp
 REAL_block_RATIO_METHODS := pip_l2,block_influence,taylor
 REAL_width_RATIO_METHODS := pip_l2,taylor,random
 .PHONY: bench-real bench-real-block bench-real-width bench-real-report bench-real-rate
@@ -184,7 +184,19 @@ bench-real-rate: install data $(REAL_MODEL)/manifest.json
 bench-real:
 	$(MAKE) -j2 bench-real-block bench-real-width
 	$(MAKE) bench-real-report
-	$(MAKE) bench-real-rate
+	$(MAKE) -j2 bench-real-rate bench-real-self
+	$(MAKE) bench-real-mix
+	$(BIN)/python -m benchmarks.report
+
+# The calibration sources on the real model (width 0.2, seeds REAL_SEEDS): PIP, its no-perturbation ablation and
+# Minitron on texts the model samples itself (self: what --calibration self does) and on half self, half corpus (mix),
+# to set against bench-real-width's corpus runs; each chain resumes from its own runs file and writes its tables.
+REAL_CAL_METHODS := pip_l2,pip_single_view,minitron
+.PHONY: bench-real-self bench-real-mix
+bench-real-self bench-real-mix: bench-real-%: install data $(REAL_MODEL)/manifest.json
+	mkdir -p $(REAL_RUNS)
+	$(REAL_DIV) --units width --ratios 0.2 --calibration $* --methods $(REAL_CAL_METHODS) \
+		--resume $(REAL_RUNS)/$(REAL_TAG)_width_$*.jsonl --name divergence_$(REAL_TAG)_width_$*
 
 # make bench: the real-model tables of the quality issue (verdict grid, perturbation rate, recovery curve) at one
 # calibration seed, from scratch, within 90 minutes on a 2-core machine (measured on a clean clone: 76 min 14 s; the

@@ -21,19 +21,36 @@ def environment() -> dict:
             "machine": platform.machine(), "when": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def calibration_pairs(model_dir: Path, n: int, seed: int, rate: float | None = None) -> tuple[list[tuple[str, str]], list[str]]:
-    """(original, perturbed) pairs from the reference build's calibration data, as the pipeline makes them.
+#: what --calibration names in the benchmarks: the reference build's corpus, texts the model samples itself, or
+#: half of each (the product's `--calibration self`, `--calibration self:0.5,DIR:0.5`)
+CALIBRATIONS = ("corpus", "self", "mix")
+
+
+def calibration_pairs(model_dir: Path, n: int, seed: int, rate: float | None = None, source: str = "corpus",
+                      model=None, tokenizer=None) -> tuple[list[tuple[str, str]], list[str]]:
+    """(original, perturbed) pairs as the pipeline makes them, from the reference build's calibration data
+    (`corpus`), from texts sampled from `model` (`self`, seeded), or half of each (`mix`).
 
     `rate`: fraction of words the perturber edits (None: the Perturber's default, the product's 0.15).
     """
-    from infra.calibration import load_calibration
+    from infra.calibration import draw_sources, load_calibration
     from pip_core.perturb import Perturber
+    from pip_core.self_calibration import model_word_list, sampled_texts
     from pip_core.wordlist import WordList
 
-    data = load_calibration(model_dir / "calibration" / "calibration.jsonl", n_samples=n, seed=seed)
-    words = WordList.from_file(model_dir / "calibration" / "wordlist.txt")
-    result = Perturber(words, seed=seed, **({} if rate is None else {"rate": rate})).perturb_many(list(data["text"]))
-    return [(p.original, p.perturbed) for p in result.pairs], list(data["text"])
+    if source == "corpus":
+        texts = list(load_calibration(model_dir / "calibration" / "calibration.jsonl", n_samples=n, seed=seed)["text"])
+        words = WordList.from_file(model_dir / "calibration" / "wordlist.txt")
+    else:
+        def sample_self(count: int) -> tuple[list[str], WordList]:
+            found = sampled_texts(model, tokenizer, count, 128, seed, progress=False)
+            return found, model_word_list(model, tokenizer, found)
+
+        spec = "self" if source == "self" else f"self:0.5,{model_dir}:0.5"
+        rows, words = draw_sources(spec, n, seed, sample_self)
+        texts = [r["text"] for r in rows]
+    result = Perturber(words, seed=seed, **({} if rate is None else {"rate": rate})).perturb_many(texts)
+    return [(p.original, p.perturbed) for p in result.pairs], texts
 
 
 def write(name: str, payload: dict, table: list[str]) -> Path:

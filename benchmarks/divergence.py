@@ -28,15 +28,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.common import DEFAULT_MODEL, add_harness_args, calibration_pairs, write
+from benchmarks.common import CALIBRATIONS, DEFAULT_MODEL, add_harness_args, calibration_pairs, write
 from pip_core.importance import CalibrationData
 
 #: `pip` is one of the named forms (importance.default_form), so it is not run twice
 METHODS = {"block": ["pip_l2", "pip_first_order", "pip_removal", "random", "magnitude", "taylor", "block_influence"],
-           "width": ["pip_l2", "pip_first_order", "random", "magnitude", "taylor"]}
+           "width": ["pip_l2", "pip_first_order", "random", "magnitude", "taylor", "minitron", "wanda_sp"]}
 #: what each PIP form is compared with; pip_single_view and pip_removal_single_view are the no-perturbation
 #: ablations
-BASELINES = ("random", "magnitude", "taylor", "block_influence", "pip_single_view", "pip_removal_single_view")
+BASELINES = ("random", "magnitude", "taylor", "block_influence", "minitron", "wanda_sp", "pip_single_view",
+             "pip_removal_single_view")
 N_BOOT = 2000
 
 
@@ -255,7 +256,8 @@ def tables(model: str, summary: list[dict], verdicts: list[dict], docs: int, hel
 def run_key(unit: str, ratio: float, seed: int, method: str, args: argparse.Namespace) -> str:
     """What identifies one run in a --resume file: every argument that changes its figures."""
     return (f"{unit}|{ratio:g}|{seed}|{method}|{args.pairs}|{args.iterations}|{args.rate}|"
-            f"{int(args.fresh_perturbation)}|{args.width_mode}|{args.max_length}")
+            f"{int(args.fresh_perturbation)}|{args.width_mode}|{args.max_length}"
+            + ("" if args.calibration == "corpus" else f"|{args.calibration}"))
 
 
 def model_identity(model: Path) -> str:
@@ -295,6 +297,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=128, help="calibration pairs (128: the product default)")
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--rate", type=float, default=None, help="perturbation rate (default: the Perturber's, 0.15)")
+    parser.add_argument("--calibration", default="corpus", choices=CALIBRATIONS,
+                        help="calibration texts: the reference corpus, sampled from the model itself, or half each")
     parser.add_argument("--fresh-perturbation", action="store_true",
                         help="perturb the calibration texts anew at every step (the paper's schedule with "
                              "--iterations = blocks to remove)")
@@ -326,7 +330,8 @@ def main() -> None:
         methods = args.methods.split(",") if args.methods else METHODS[unit]
         for ratio in [float(r) for r in args.ratios.split(",")]:
             for seed in [int(s) for s in args.seeds.split(",")]:
-                pairs, calib = calibration_pairs(args.model, args.pairs, seed, args.rate)
+                pairs, calib = calibration_pairs(args.model, args.pairs, seed, args.rate, args.calibration, base,
+                                                 tokenizer)
                 step_pairs = fresh_pairs(args.model, args.pairs, seed, args.rate) if args.fresh_perturbation else pairs
                 for method in methods:
                     if method in BLOCK_ONLY_METHODS and unit != "block":

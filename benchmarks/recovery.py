@@ -59,6 +59,10 @@ def main() -> None:
     parser.add_argument("--variants", default="none,lora_lm,kd_lora,kd_full",
                         help="--compare: the recoveries run (a comma list of none, lora_lm, kd_lora, kd_full)")
     parser.add_argument("--resume", type=Path, default=None, help="--compare: JSONL of finished recovery runs")
+    parser.add_argument("--calibration", default="corpus", choices=("corpus", "self"),
+                        help="--compare: pruning pairs and training texts from the reference corpus, or sampled from "
+                             "the dense model itself (--train-texts of them)")
+    parser.add_argument("--train-texts", type=int, default=256, help="--compare --calibration self: texts to train on")
     parser.add_argument("--name", default="recovery_compare", help="--compare: result name")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     args = parser.parse_args()
@@ -146,7 +150,8 @@ def _resume_config(args: argparse.Namespace) -> dict:
 
     keys = ("ratio", "unit", "method", "iterations", "pairs", "batch_size", "max_length", "lr", "full_lr", "temperature",
             "heldout", "cloze_limit")
-    return {"model": model_identity(Path(args.model)), **{k: getattr(args, k) for k in keys}}
+    extra = {} if args.calibration == "corpus" else {"calibration": args.calibration, "train_texts": args.train_texts}
+    return {**extra, "model": model_identity(Path(args.model)), **{k: getattr(args, k) for k in keys}}
 
 
 def _load_runs(path: Path | None, config: dict) -> dict[str, dict]:
@@ -166,6 +171,7 @@ def compare(args: argparse.Namespace) -> None:
     from benchmarks.divergence import heldout_texts
     from pip_core import io, schedule
     from pip_core.importance import CalibrationData
+    from pip_core.self_calibration import sampled_texts
 
     seeds, steps_list, variants = [int(s) for s in args.seeds.split(",")], budgets(args.steps), chosen(args.variants)
     config = _resume_config(args)
@@ -173,12 +179,15 @@ def compare(args: argparse.Namespace) -> None:
     scratch = Path(tempfile.mkdtemp())
     dense, tok = io.load(args.model, dtype="float32")
     dense_cloze = _cloze(dense, tok, args, scratch) if args.cloze_limit else None
-    pairs, texts = calibration_pairs(args.model, args.pairs, seed=0)
+    pairs, texts = calibration_pairs(args.model, args.pairs, 0, None, args.calibration, dense, tok)
     pruned = copy.deepcopy(dense)
     schedule.prune_iteratively(pruned, CalibrationData(tok, pairs, texts=texts),
                                schedule.ScoringOptions(args.method, args.unit), args.ratio, args.iterations, progress=False)
     sets = {name: heldout_texts(args.model, name) for name in args.heldout.split(",")}
-    train = [json.loads(line)["text"] for line in open(args.model / "calibration" / "calibration.jsonl")]
+    if args.calibration == "self":  # distillation on the dense model's own texts, as --calibration self trains
+        train = sampled_texts(dense, tok, args.train_texts, args.max_length, seed=1)
+    else:
+        train = [json.loads(line)["text"] for line in open(args.model / "calibration" / "calibration.jsonl")]
     held = {t for texts_, _ in sets.values() for t in texts_}
     train = [t for t in train if t not in held]
     bench = Bench(args, dense, pruned, tok, train, sets, scratch)
