@@ -191,7 +191,7 @@ bench-real:
 # The calibration sources on the real model (width 0.2, seeds REAL_SEEDS): PIP, its no-perturbation ablation and
 # Minitron on texts the model samples itself (self: what --calibration self does) and on half self, half corpus (mix),
 # to set against bench-real-width's corpus runs; each chain resumes from its own runs file and writes its tables.
-REAL_CAL_METHODS := pip_l2,pip_single_view,minitron
+REAL_CAL_METHODS := pip_l2,pip_single_view,minitron,wanda_sp
 .PHONY: bench-real-self bench-real-mix
 bench-real-self bench-real-mix: bench-real-%: install data $(REAL_MODEL)/manifest.json
 	mkdir -p $(REAL_RUNS)

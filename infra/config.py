@@ -122,9 +122,10 @@ class EvaluationSettings(_Group):
         return value
 
 
-#: the recovery a pretrained model gets when it brings no calibration data (the CLI's default: `--calibration self`):
-#: distillation from the dense model on the texts it sampled (benchmarks/results: recovery_curve_smollm2_width_self)
-PRETRAINED_RECOVERY = {"steps": 40, "kind": "kd"}
+#: what a pretrained model that brings no calibration data gets (the CLI's default, `--calibration self`), from the
+#: real model's figures (docs/calibration.md): width units scored by structured Wanda (forward only, and the lowest KL
+#: of every width method on both held-out sets), then distillation from the dense model on the texts it sampled
+PRETRAINED_DEFAULTS = {"method": "wanda_sp", "recovery": {"steps": 40, "kind": "kd"}}
 
 
 class RecoverySettings(_Group):

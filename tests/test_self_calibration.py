@@ -128,12 +128,15 @@ def test_a_model_without_calibration_data_defaults_to_self_and_distillation(tok,
     model.save_pretrained(tmp_path / "pretrained")
     tok.save_pretrained(tmp_path / "pretrained")
     cfg = _compress_config(str(tmp_path / "pretrained"), None, None, None, None, {"ratio": 0.2})
-    assert cfg.calibration.source == "self"
+    assert cfg.calibration.source == "self" and cfg.scoring.method == "wanda_sp"
     assert (cfg.recovery.kind, cfg.recovery.steps) == ("kd", 40)
-    off = _compress_config(str(tmp_path / "pretrained"), None, None, None, None, {"recovery": {"steps": 0}})
-    assert off.calibration.source == "self" and not off.recovery.enabled
+    off = _compress_config(str(tmp_path / "pretrained"), None, None, None, None, {"recovery": {"steps": 0},
+                                                                                   "method": "pip"})
+    assert off.calibration.source == "self" and not off.recovery.enabled and off.scoring.method == "pip"
+    blocks = _compress_config(str(tmp_path / "pretrained"), None, None, None, None, {"unit": "block"})
+    assert blocks.scoring.method == "pip" and blocks.recovery.enabled  # wanda_sp scores width units only
     mine = _compress_config(str(tmp_path / "pretrained"), None, "texts.txt", None, None, {})
-    assert mine.calibration.source == "texts.txt" and not mine.recovery.enabled
+    assert mine.calibration.source == "texts.txt" and not mine.recovery.enabled and mine.scoring.method == "pip"
 
 
 @pytest.mark.stack

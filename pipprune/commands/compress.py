@@ -107,10 +107,12 @@ def _recovery_options(steps: int | None, kind: str | None) -> dict | None:
 def _compress_config(model: str | None, config: Path | None, calibration: str | None, include_path: str | None,
                      tasks: str | None, options: dict):  # infra.config.CompressConfig, lazily
     """The validated job config from the options and the config file; every problem is bad input (exit 2)."""
+    import copy
+
     from pydantic import ValidationError
 
     from infra.calibration import SELF
-    from infra.config import PRETRAINED_RECOVERY, CompressConfig, load_config_file
+    from infra.config import PRETRAINED_DEFAULTS, CompressConfig, load_config_file
     from infra.model_source import ModelNotFoundError, local_model_dir
 
     if calibration is None and not config:
@@ -118,11 +120,12 @@ def _compress_config(model: str | None, config: Path | None, calibration: str | 
             local = local_model_dir(model)  # "model not found" comes before "--calibration is required"
         except ModelNotFoundError as exc:
             fail(str(exc))
-        # a reference build calibrates on its own corpus; a pretrained model on texts sampled from itself, and then
-        # recovers by distillation on them unless told otherwise (infra.config.PRETRAINED_RECOVERY)
+        # a reference build calibrates on its own corpus; a pretrained model on texts sampled from itself, with the
+        # method and recovery the figures support for that case unless told otherwise (infra.config.PRETRAINED_DEFAULTS)
         calibration = model if (local / "calibration" / "calibration.jsonl").is_file() else SELF
-        if calibration == SELF and options.get("recovery") is None:
-            options = {**options, "recovery": dict(PRETRAINED_RECOVERY)}
+        if calibration == SELF:
+            defaults = {k: v for k, v in PRETRAINED_DEFAULTS.items() if not (k == "method" and options.get("unit") == "block")}
+            options = {**options, **{k: copy.deepcopy(v) for k, v in defaults.items() if options.get(k) is None}}
     tasks_origin = None
     if include_path is None and tasks is None:
         include_path, tasks, tasks_origin = _default_tasks(model, calibration, config)
