@@ -136,6 +136,8 @@ def _divergence_rows(name: str, result: dict) -> list[str]:
         seeds = mine[0]["seed"]
         model = reference_name(result.get("args", {}).get("model", ""))
         where = f"{model}{name}, width {mode}" if unit == "width" else f"{model}{name}"
+        if result.get("args", {}).get("calibration", "corpus") != "corpus":
+            where += f", calibration {result['args']['calibration']}"
         pairs = result.get("args", {}).get("pairs", 32)
         rows.append(f"| PIP ({default}) {unit} {ratio:.1f} not worse than any baseline on KL ({where}, "
                     f"{result['documents']} docs, {pairs} pairs, seed {seeds}) | {shown} | "
