@@ -377,14 +377,17 @@ def _activation_sums(model: nn.Module, tokenizer, texts: Sequence[str], units: S
         rows[(u.kind, u.layer)][u.index] = row
     total = torch.zeros(len(units), dtype=torch.float64)
     squares: dict[tuple[str, int], torch.Tensor] = {}
+    consumers: dict[tuple[str, int], tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
     handles = []
     for (kind, i), of_layer in rows.items():
         slot = next(s for s in family.slots(kind) if s.dim == 1)
-        n = families.layer_shape(layers[i], family).units(kind)
-        if len(of_layer) != n:
-            raise PipCoreError(f"layer {i} has {n} {kind} units but {len(of_layer)} were given; score all units of a kind")
-        owner = families.owners(slot, families.layer_shape(layers[i], family), kind)
-        unit_rows = torch.tensor([of_layer[j] for j in range(n)])
+        shape = families.layer_shape(layers[i], family)
+        if len(of_layer) != shape.units(kind):
+            raise PipCoreError(f"layer {i} has {shape.units(kind)} {kind} units but {len(of_layer)} were given; "
+                               "score all units of a kind")
+        owner = families.owners(slot, shape, kind)
+        unit_rows = torch.tensor([of_layer[j] for j in range(shape.units(kind))])
+        consumers[(kind, i)] = (families.get_module(layers[i], slot.module), owner, unit_rows)
 
         def hook(module: nn.Module, args: tuple, key: tuple[str, int] = (kind, i), owner: torch.Tensor = owner,
                  unit_rows: torch.Tensor = unit_rows) -> None:
@@ -394,7 +397,7 @@ def _activation_sums(model: nn.Module, tokenizer, texts: Sequence[str], units: S
                 return
             per_unit = torch.zeros(x.shape[0], len(unit_rows), dtype=torch.float64).index_add_(1, owner, x.pow(2))
             total.index_add_(0, unit_rows, per_unit.sqrt().sum(0))
-        handles.append(families.get_module(layers[i], slot.module).register_forward_pre_hook(hook))
+        handles.append(consumers[(kind, i)][0].register_forward_pre_hook(hook))
     count = 0
     try:
         for s in tqdm(_encode(tokenizer, texts, max_length), desc=f"{method} activations", disable=not progress):
@@ -405,11 +408,9 @@ def _activation_sums(model: nn.Module, tokenizer, texts: Sequence[str], units: S
             h.remove()
     if method != "wanda_sp":
         return total, count
-    for (kind, i), sq in squares.items():
-        slot = next(s for s in family.slots(kind) if s.dim == 1)
-        weight = families.get_module(layers[i], slot.module).weight.detach().double().abs().sum(0).cpu()
-        owner = families.owners(slot, families.layer_shape(layers[i], family), kind)
-        unit_rows = torch.tensor([rows[(kind, i)][j] for j in range(len(rows[(kind, i)]))])
+    for key, sq in squares.items():
+        module, owner, unit_rows = consumers[key]
+        weight = module.weight.detach().double().abs().sum(0).cpu()
         total.index_add_(0, unit_rows[owner], sq.sqrt() * weight)
     return total, 1
 
