@@ -42,12 +42,10 @@ def calibration_pairs(model_dir: Path, n: int, seed: int, rate: float | None = N
         texts = list(load_calibration(model_dir / "calibration" / "calibration.jsonl", n_samples=n, seed=seed)["text"])
         words = WordList.from_file(model_dir / "calibration" / "wordlist.txt")
     else:
-        def sample_self(count: int) -> tuple[list[str], WordList]:
-            found = sampled_texts(model, tokenizer, count, 128, seed, progress=False)
-            return found, model_word_list(model, tokenizer, found)
-
         spec = "self" if source == "self" else f"self:0.5,{model_dir}:0.5"
-        rows, words = draw_sources(spec, n, seed, sample_self)
+        rows, words = draw_sources(spec, n, seed, lambda count: sampled_texts(model, tokenizer, count, 128, seed,
+                                                                             progress=False),
+                                   lambda texts: model_word_list(model, tokenizer, texts))
         texts = [r["text"] for r in rows]
     result = Perturber(words, seed=seed, **({} if rate is None else {"rate": rate})).perturb_many(texts)
     return [(p.original, p.perturbed) for p in result.pairs], texts

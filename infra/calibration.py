@@ -6,6 +6,7 @@ recorded in lineage, and malformed input is refused with the schema's own failur
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -139,11 +140,12 @@ def parse_sources(spec: str) -> list[tuple[str, float]]:
     return [(source, weight / total) for source, weight in parts]
 
 
-def draw_sources(spec: str, total: int, seed: int, sample_self: Callable[[int], tuple[list[str], WordList]],
-                 wordlist: str | None = None) -> tuple[list[dict], WordList]:
+def draw_sources(spec: str, total: int, seed: int, sample_self: Callable[[int], list[str]],
+                 self_words: Callable[[list[str]], WordList], wordlist: str | None = None) -> tuple[list[dict], WordList]:
     """`total` calibration rows drawn from the sources of `spec` by weight (`parse_sources`), each row's `source`
     named, and the word list that decides the perturber's edits: `wordlist` when given, else the union of each
-    source's own (a file's wordlist.txt beside it, else its texts' words; `self`: `sample_self`'s)."""
+    source's own (a file's wordlist.txt beside it, else its texts' words; `self`: `self_words` of its texts, built
+    only when needed: it runs the model)."""
     sources = parse_sources(spec)
     counts = [round(weight * total) for _, weight in sources]
     counts[-1] = max(1, total - sum(counts[:-1]))
@@ -151,16 +153,16 @@ def draw_sources(spec: str, total: int, seed: int, sample_self: Callable[[int], 
     lists: list[WordList] = []
     for (source, _), count in zip(sources, counts, strict=True):
         if source == SELF:
-            texts, words = sample_self(count)
+            texts = sample_self(count)
+            words = None if wordlist else self_words(texts)
         else:
             found = CalibrationSource(source)
             texts = list(load_calibration(found.path, n_samples=count, seed=seed)["text"])
-            words = WordList.from_file(found.wordlist) if found.wordlist else WordList.from_texts(texts)
+            words = None if wordlist else (WordList.from_file(found.wordlist) if found.wordlist
+                                           else WordList.from_texts(texts))
         rows += [{"text": t, "source": source} for t in texts]
-        lists.append(words)
-    if wordlist:
-        return rows, WordList.from_file(wordlist)
-    return rows, WordList(frozenset().union(*(w.words for w in lists)))
+        lists += [words] if words is not None else []
+    return rows, WordList.from_file(wordlist) if wordlist else functools.reduce(WordList.union, lists)
 
 
 class CalibrationSource:

@@ -48,13 +48,14 @@ def resolve_calibration(settings: CalibrationSettings, seed: int, model: ModelRe
     if settings.source != SELF and parse_sources(settings.source) == [(settings.source, 1.0)]:
         return settings  # one file or reference directory, read as it is
 
-    def sample_self(n: int) -> tuple[list[str], WordList]:
-        net, tokenizer = load_model(model, runtime, seq_len=settings.max_length)
-        texts = sampled_texts(net, tokenizer, n, settings.max_length, seed)
-        return texts, model_word_list(net, tokenizer, texts)
+    def sample_self(n: int) -> list[str]:
+        return sampled_texts(*load_model(model, runtime, seq_len=settings.max_length), n, settings.max_length, seed)
+
+    def self_words(texts: list[str]) -> WordList:
+        return model_word_list(*load_model(model, runtime, seq_len=settings.max_length), texts)
 
     rows, words = draw_sources(settings.source, settings.n_samples + settings.heldout_samples, seed, sample_self,
-                               settings.wordlist)
+                               self_words, settings.wordlist)
     log.info("calibration %s: %d texts (%s)", settings.source, len(rows),
              ", ".join(f"{sum(r['source'] == s for r in rows)} from {s}" for s in dict.fromkeys(r["source"] for r in rows)))
     key = content_key(settings.model_dump(), seed, model.fingerprint, [r["text"] for r in rows])
