@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 if TYPE_CHECKING:
     from pip_core.recovery import RecoveryOptions
+from infra.calibration_spec import SELF, CalibrationSpec
+from infra.layout import model_dir_layout
 from pip_core.vocabulary import (
     BLOCK_ONLY_METHODS,
     MAX_RATIO,
@@ -46,8 +48,25 @@ class CalibrationSettings(_Group):
                                                    "(default: beside the calibration file)")
     n_samples: int = Field(128, ge=1, le=100_000, description="calibration pairs scored per step (128: the ablations)")
     heldout_samples: int = Field(16, ge=0, le=100_000, description="texts held out for the quick perplexity eval")
+    recovery_samples: int = Field(128, ge=0, le=10_000_000, description="texts drawn for recovery training, apart "
+                                  "from the scored and the held-out ones (used only when recovery is on)")
     max_length: int = Field(128, ge=2, le=32_768, description="tokens per text window (scoring and quick eval)")
     perturb_rate: float = Field(0.15, gt=0.0, le=1.0, description="fraction of words the perturber edits")
+
+    @field_validator("source")
+    @classmethod
+    def _parse_source(cls, value: str) -> str:
+        from pip_core.errors import PipCoreError
+
+        try:
+            return str(CalibrationSpec.parse(value))
+        except PipCoreError as exc:
+            raise ValueError(str(exc)) from None
+
+    @property
+    def spec(self) -> CalibrationSpec:
+        """The source as a value object (which sources, in which shares): what every reader of it takes."""
+        return CalibrationSpec.parse(self.source)
 
 
 class ScoringSettings(_Group):
@@ -122,10 +141,8 @@ class EvaluationSettings(_Group):
         return value
 
 
-#: what a pretrained model that brings no calibration data gets (the CLI's default, `--calibration self`), from the
-#: real model's figures (docs/calibration.md): width units scored by structured Wanda (forward only, and the lowest KL
-#: of every width method on both held-out sets), then distillation from the dense model on the texts it sampled
-PRETRAINED_DEFAULTS = {"method": "wanda_sp", "recovery": {"steps": 40, "kind": "kd"}}
+#: recovery steps when recovery is asked for (a kind named, or the own-text defaults) without a count
+DEFAULT_RECOVERY_STEPS = 40
 
 
 class RecoverySettings(_Group):
@@ -142,6 +159,14 @@ class RecoverySettings(_Group):
     batch_size: int = Field(8, ge=1, le=4096)
     max_texts: int = Field(2048, ge=1, le=10_000_000,
                            description="calibration texts to train on (held-out texts never included)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_implies_steps(cls, data: object) -> object:
+        """Naming a recovery kind without a step count asks for recovery: it gets the default count."""
+        if isinstance(data, dict) and data.get("kind") is not None and data.get("steps") is None:
+            return {**data, "steps": DEFAULT_RECOVERY_STEPS}
+        return data
 
     @property
     def enabled(self) -> bool:
@@ -269,19 +294,18 @@ class CompressConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _group_flat_keys(cls, data: object) -> object:
-        """Accept flat keys (`n_samples: 8`, `calibration: path`) beside the grouped form."""
+        """Accept flat keys (`n_samples: 8`, `calibration: path`) beside the grouped form, then apply the job's
+        defaults rule (`job_defaults`) to what was not given."""
         if not isinstance(data, dict):
             return data
-        data = dict(data)
+        data = {k: _given(v) for k, v in data.items()}
         if isinstance(data.get("calibration"), str):
             data["calibration"] = {"source": data["calibration"]}
         for flat, (group, field) in FLAT_KEYS.items():
             if flat in data:
                 value = data.pop(flat)
-                current = data.get(group)
-                group_data = dict(current) if isinstance(current, dict) else \
-                    (current.model_dump() if isinstance(current, BaseModel) else {})
-                data[group] = {**group_data, field: value}
+                data[group] = {**(data.get(group) or {}), field: value}
+        data = job_defaults(data)
         target = data.get("target")
         if isinstance(target, str) and target.strip().lower().startswith("ratio="):  # one spelling: ratio=R is --ratio R
             from pip_core.budget import Target
@@ -352,6 +376,74 @@ class CompressConfig(BaseModel):
         payload["serving"] = {k: payload["serving"][k] for k in ("context", "batch")}  # what a memory budget counts
         payload["runtime"] = {k: payload["runtime"][k] for k in ("device", "dtype")}  # where scoring runs does not
         return payload
+
+
+def _given(value: object) -> object:
+    """A group given as an object counts only its explicitly set fields as given (the rest may take defaults)."""
+    return value.model_dump(include=value.model_fields_set) if isinstance(value, _Group) else value
+
+
+#: the lm-eval task of the built-in evaluation kit (tasks.evaluation builds it from Debian's WordNet on first use)
+BUILTIN_CLOZE_TASK = "pipprune_wordnet_cloze"
+#: its items per run: +/-0.08 on accuracy at 95%, a few seconds per model on a CPU
+BUILTIN_CLOZE_LIMIT = 100
+
+
+def own_text_defaults(unit: str | None) -> dict[str, dict]:
+    """What a run gets when every calibration text is the model's own, where the user did not say otherwise.
+
+    From the real model's figures (benchmarks/results, docs/calibration.md): width units scored by structured Wanda
+    (forward only, the lowest KL of the width methods on both held-out sets), whole blocks by ShortGPT's block
+    influence (better than every PIP block form), then distillation from the dense model on texts it sampled apart
+    from the scored ones.
+    """
+    return {"scoring": {"method": "block_influence" if unit == "block" else "wanda_sp"},
+            "recovery": {"steps": DEFAULT_RECOVERY_STEPS, "kind": "kd"}}
+
+
+def job_defaults(data: dict) -> dict:
+    """The one defaults rule of a compress job, on the grouped fields the user gave (CLI options or a config file).
+
+    - calibration: a model directory laid out as a reference build calibrates on its own corpus; any other model
+      (a GGUF file, a hub id, a plain directory) on texts it samples itself (`self`);
+    - when every calibration text is the model's own (given or implied), `own_text_defaults` fills the method and the
+      recovery fields not given (a partial recovery group merges with the default one);
+    - lm-eval: a reference build's own tasks (the model's, else the calibration source's), else the built-in WordNet
+      cloze task.
+    Only what is absent is filled, so a value the user set always wins.
+    """
+    model = data.get("model")
+    calibration = dict(data.get("calibration") or {})
+    if calibration.get("source") is None and isinstance(model, str):
+        calibration["source"] = model if model_dir_layout(model).has_calibration() else SELF
+    data = {**data, "calibration": calibration}
+    try:
+        spec = CalibrationSpec.parse(calibration["source"]) if calibration.get("source") is not None else None
+    except ValueError:
+        spec = None  # the field's own validator names the problem
+    if spec is not None and spec.is_self:
+        unit = (data.get("scoring") or {}).get("unit")
+        for group, defaults in own_text_defaults(unit).items():
+            data[group] = {**defaults, **(data.get(group) or {})}
+    evaluation = dict(data.get("evaluation") or {})
+    if evaluation.get("tasks") is None and evaluation.get("include_path") is None:
+        data["evaluation"] = {**_default_eval(model, spec), **{k: v for k, v in evaluation.items() if v is not None}}
+    return data
+
+
+def _default_eval(model: object, spec: CalibrationSpec | None) -> dict:
+    """The lm-eval tasks a run gets when it names none, and why (shown in the summary)."""
+    candidates = [(model, "the model is a pipprune reference build")] if isinstance(model, str) else []
+    if spec is not None and spec.single_file:
+        candidates.append((spec.single_file, "the calibration source is a pipprune reference build"))
+    for candidate, why in candidates:
+        layout = model_dir_layout(candidate)
+        if names := layout.task_names():
+            return {"tasks": tuple(names), "include_path": str(layout.tasks.resolve()),
+                    "tasks_origin": f"{why}: its local tasks in {layout.tasks.resolve()}"}
+    return {"tasks": (BUILTIN_CLOZE_TASK,), "limit": BUILTIN_CLOZE_LIMIT,
+            "tasks_origin": "the built-in evaluation kit (WordNet cloze, from Debian's wordnet-base): no --tasks given "
+                            "and the model is not a reference build"}
 
 
 def read_yaml_mapping(path: Path, what: str) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infra.config import CompressConfig
+from infra.config import BUILTIN_CLOZE_TASK, CompressConfig
 from infra.settings import Settings
 
 
@@ -22,7 +22,7 @@ class ServiceUnreachable(PreflightError):
 
 def check_inputs(config: CompressConfig) -> None:
     """Model directory, architecture, tokenizer, calibration file, memory: all before any work."""
-    from infra.calibration import SELF, CalibrationSource, load_calibration, parse_sources
+    from infra.calibration import CalibrationSource, load_calibration
     from infra.model_source import local_model_dir
     from pip_core import io as core_io
     from pip_core.placement import plan_placement, resolve_device
@@ -31,14 +31,15 @@ def check_inputs(config: CompressConfig) -> None:
     local = local_model_dir(config.model)
     model_config = core_io.check_loadable(local)
     core_io.check_tokenizer(local)
-    sources = parse_sources(config.calibration.source)
-    for name, _ in sources:
-        if name != SELF:
-            load_calibration(CalibrationSource(name, None if len(sources) > 1 else config.calibration.wordlist).path)
+    spec = config.calibration.spec
+    for name in spec.files:
+        load_calibration(CalibrationSource(name, config.calibration.wordlist if spec.single_file else None).path)
     if config.calibration.wordlist and not Path(config.calibration.wordlist).expanduser().is_file():
         raise FileNotFoundError(f"word list not found: {config.calibration.wordlist}")
-    if config.evaluation.tasks:
-        check_eval_tasks(config.evaluation.tasks, config.evaluation.include_path)
+    named = tuple(t for t in config.evaluation.tasks  # the built-in kit's task is built at run time (tasks.evaluation)
+                  if config.evaluation.include_path or t != BUILTIN_CLOZE_TASK)
+    if named:
+        check_eval_tasks(named, config.evaluation.include_path)
     check_budget(config, model_config)  # from config.json alone: an infeasible target reads no weights
     check_weights_intact(local)
     core_io.check_weights(local, model_config)

@@ -74,7 +74,7 @@ CASES = {
     "config ratio NaN": (lambda w: ["compress", "--model", str(w / "llama"), "--config", str(w / "nan.yaml")], "ratio"),
     "recovery kind unknown": (lambda w: compress(w, "--recovery", "distill", "--recovery-steps", "5"),
                               "recovery.kind"),
-    "recovery kind without steps": (lambda w: compress(w, "--recovery", "kd"), "--recovery-steps"),
+    "calibration weight zero": (lambda w: compress(w, calibration="self:0"), "SOURCE:WEIGHT"),
     "alias invalid": (lambda w: ["promote", "m", "--version", "1", "--alias", "latest"], "alias"),
     "alias with slash": (lambda w: ["promote", "m", "--version", "1", "--alias", "a/b"], "alias"),
     "gates unknown key": (lambda w: ["promote", "m", "--version", "1", "--alias", "ok", "--gates",

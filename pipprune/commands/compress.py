@@ -37,7 +37,8 @@ def compress(
     method: Optional[str] = typer.Option(None, help=config_help("scoring.method")),
     iterations: Optional[int] = options.iterations(),
     calibration: Optional[str] = typer.Option(None, help=config_help(
-        "calibration.source", "(default: the model dir itself when it is a reference build, else self)")),
+        "calibration.source", "(default: the model dir itself when it is a reference build, else self: texts the "
+        "model samples, with wanda_sp and KD recovery unless told otherwise)")),
     wordlist: Optional[str] = typer.Option(None, help=config_help("calibration.wordlist")),
     n_samples: Optional[int] = typer.Option(None, help=config_help("calibration.n_samples")),
     seed: Optional[int] = typer.Option(None, help=config_help("seed")),
@@ -84,8 +85,6 @@ def compress(
             wordlist=wordlist, n_samples=n_samples, seed=seed, eval_limit=eval_limit, registered_model_name=name,
             device=device, dtype=dtype, max_kl=max_kl, max_ppl_ratio=max_ppl_ratio,
             recovery=_recovery_options(recovery_steps, recovery)))
-        if recovery is not None and not cfg.recovery.enabled:
-            fail(f"--recovery {recovery} needs recovery steps: add --recovery-steps N (or recovery.steps in the config)")
         out_dir = check_out(out, overwrite)
         check_inputs(cfg)
         settings = runtime(auto_stack)
@@ -106,32 +105,17 @@ def _recovery_options(steps: int | None, kind: str | None) -> dict | None:
 
 def _compress_config(model: str | None, config: Path | None, calibration: str | None, include_path: str | None,
                      tasks: str | None, options: dict):  # infra.config.CompressConfig, lazily
-    """The validated job config from the options and the config file; every problem is bad input (exit 2)."""
-    import copy
+    """The validated job config from the options and the config file; every problem is bad input (exit 2).
 
+    The options given are passed as they are: what the job gets where they are silent is the job config's own rule
+    (`infra.config.job_defaults`), the same for a config file.
+    """
     from pydantic import ValidationError
 
-    from infra.calibration import SELF
-    from infra.config import PRETRAINED_DEFAULTS, CompressConfig, load_config_file
-    from infra.model_source import ModelNotFoundError, local_model_dir
+    from infra.config import CompressConfig, load_config_file
 
-    if calibration is None and not config:
-        try:
-            local = local_model_dir(model)  # "model not found" comes before "--calibration is required"
-        except ModelNotFoundError as exc:
-            fail(str(exc))
-        # a reference build calibrates on its own corpus; a pretrained model on texts sampled from itself, with the
-        # method and recovery the figures support for that case unless told otherwise (infra.config.PRETRAINED_DEFAULTS)
-        calibration = model if (local / "calibration" / "calibration.jsonl").is_file() else SELF
-        if calibration == SELF:
-            defaults = {k: v for k, v in PRETRAINED_DEFAULTS.items() if not (k == "method" and options.get("unit") == "block")}
-            options = {**options, **{k: copy.deepcopy(v) for k, v in defaults.items() if options.get(k) is None}}
-    tasks_origin = None
-    if include_path is None and tasks is None:
-        include_path, tasks, tasks_origin = _default_tasks(model, calibration, config)
     fields = dict(model=model, calibration=calibration, eval_tasks=tasks,
-                  eval_include_path=str(Path(include_path).resolve()) if include_path else None,
-                  evaluation={"tasks_origin": tasks_origin} if tasks_origin else None, **options)
+                  eval_include_path=str(Path(include_path).resolve()) if include_path else None, **options)
     try:
         if config is not None:
             return load_config_file(config, **fields)
@@ -139,25 +123,6 @@ def _compress_config(model: str | None, config: Path | None, calibration: str | 
     except (ValidationError, ValueError, FileNotFoundError) as exc:
         fail(("config: " if config is None else f"{config}: ") + validation_message(exc)
              if isinstance(exc, ValidationError) else validation_message(exc))
-
-
-def _default_tasks(model: str | None, calibration: str | None, config: Path | None) -> tuple[str | None, str | None, str]:
-    """The local lm-eval tasks a run gets when none are named, and why (shown in the summary).
-
-    A reference build's own tasks, else those of the reference build the calibration comes from:
-    any model, a GGUF file or a hub id included, is then measured on the same held-out tasks.
-    """
-    if config is not None:
-        return None, None, "as the config file says (no tasks there: none run)"
-    candidates = ((model, "the model is a pipprune reference build"),
-                  (calibration, "the calibration source is a pipprune reference build"))
-    for candidate, why in candidates:
-        folder = Path(candidate) / "tasks" if candidate else None
-        if folder is not None and folder.is_dir() and list(folder.glob("*.yaml")):
-            names = ",".join(sorted(p.stem for p in folder.glob("*.yaml")))
-            return str(folder), names, f"{why}: its local tasks in {folder}"
-    return None, None, ("none: no --tasks given, and neither the model nor the calibration source is a reference "
-                        "build with local tasks (pass --tasks and --include-path)")
 
 
 def _run_compress(cfg, out_dir: str | None, overwrite: bool):  # noqa: ANN001
