@@ -59,6 +59,20 @@ class StepProgress:
         logging.getLogger(CONSOLE_LOGGER).info(line)
 
 
+class StageClock:
+    """Wall seconds of each named stage of a run, kept for its summary: where a run's minutes went."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        """The time since the previous lap (or the start) belongs to stage `name` (added to it when repeated)."""
+        now = time.monotonic()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self.last, 2)
+        self.last = now
+
+
 def stage(message: str) -> None:
     """One line a person reads on the console: a stage of a run began or ended (silent with --quiet)."""
     if current_mode() != "off":

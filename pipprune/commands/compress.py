@@ -89,6 +89,8 @@ def compress(
         check_inputs(cfg)
         settings = runtime(auto_stack)
         summary = _run_compress(cfg, out_dir, overwrite)
+        if console.log_path is not None:  # the summary as JSON beside the log, for scripts that read a plain run
+            console.log_path.with_suffix(".summary.json").write_text(summary.model_dump_json(indent=1))
         if json_out:
             doc.emit({"ok": True, **summary.model_dump(mode="json")})
         else:
