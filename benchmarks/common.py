@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from infra.layout import model_dir_layout
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_MODEL = ROOT / ".pipprune" / "reference" / "small"
@@ -39,8 +41,8 @@ def calibration_pairs(model_dir: Path, n: int, seed: int, rate: float | None = N
     from pip_core.wordlist import WordList
 
     if source == "corpus":
-        texts = list(load_calibration(model_dir / "calibration" / "calibration.jsonl", n_samples=n, seed=seed)["text"])
-        words = WordList.from_file(model_dir / "calibration" / "wordlist.txt")
+        texts = list(load_calibration(model_dir_layout(model_dir).calibration, n_samples=n, seed=seed)["text"])
+        words = WordList.from_file(model_dir_layout(model_dir).wordlist)
     else:
         spec = "self" if source == "self" else f"self:0.5,{model_dir}:0.5"
         rows, words = draw_sources(spec, n, seed, lambda count: sampled_texts(model, tokenizer, count, 128, seed,

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import CALIBRATIONS, DEFAULT_MODEL, add_harness_args, calibration_pairs, write
+from infra.layout import model_dir_layout
 from pip_core.importance import CalibrationData
 
 #: `pip` is one of the named forms (importance.default_form), so it is not run twice
@@ -69,7 +70,7 @@ def heldout_texts(model_dir: Path, which: str) -> tuple[list[str], str]:
     if which == "wordnet":
         texts = wordnet_documents()
     else:
-        texts = read_texts(model_dir / "tasks" / "persuasion.jsonl" if which == "persuasion" else Path(which))
+        texts = read_texts(model_dir_layout(model_dir).heldout if which == "persuasion" else Path(which))
     return texts, hashlib.sha256("\n\x00".join(texts).encode()).hexdigest()
 
 
@@ -134,7 +135,7 @@ def fresh_pairs(model_dir: Path, n: int, seed: int, rate: float | None = None) -
     from pip_core.wordlist import WordList
 
     _, texts = calibration_pairs(model_dir, n, seed, rate)
-    words = WordList.from_file(model_dir / "calibration" / "wordlist.txt")
+    words = WordList.from_file(model_dir_layout(model_dir).wordlist)
 
     def for_step(step: int) -> list[tuple[str, str]]:
         perturber = Perturber(words, seed=seed + 10007 * (step - 1), **({} if rate is None else {"rate": rate}))

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ROOT, Timer, calibration_pairs, write
+from infra.layout import model_dir_layout
 from pip_core.importance import CalibrationData
 
 DEFAULT_OUT = ROOT / ".pipprune" / "bench-gguf"
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     from tasks.export import gguf_quality
 
     out = args.out or DEFAULT_OUT / args.model.name
-    texts = read_texts(args.model / "tasks" / "persuasion.jsonl")[: args.docs]
+    texts = read_texts(model_dir_layout(args.model).heldout)[: args.docs]
     parents = make_parents(args.model, out, [u for u in args.units.split(",") if u], args.ratio, args.pairs, args.seed)
     dense, tok = io.load(args.model, dtype=torch.float32)
     rows, files = [], []

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from infra.layout import model_dir_layout
 from pip_core.importance import CalibrationData
 
 SIZES = {"1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=4,
@@ -126,10 +127,10 @@ def flow_check(tok, pairs, cuda: bool) -> dict:
     model.to(torch.bfloat16).save_pretrained(src, safe_serialization=True)
     tok.save_pretrained(src)
     (src / "calibration").mkdir()
-    with (src / "calibration" / "calibration.jsonl").open("w") as fh:
+    with (model_dir_layout(src).calibration).open("w") as fh:
         for original, _ in pairs * 4:
             fh.write(json.dumps({"text": original}) + "\n")
-    (src / "calibration" / "wordlist.txt").write_text("\n".join(sorted(set(WORDS))) + "\n")
+    (model_dir_layout(src).wordlist).write_text("\n".join(sorted(set(WORDS))) + "\n")
     out = work / "out"
     env = {**os.environ, "PIPPRUNE_HOME": str(work / "home"), "HF_HUB_OFFLINE": "1"}
     args = [sys.executable, "-m", "pipprune.cli", "compress", "--model", str(src), "--ratio", "0.2", "--unit", "width",

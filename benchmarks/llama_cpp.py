@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ROOT, write
+from infra.layout import model_dir_layout
 
 
 def _continuations_agree(a: list[int], b: list[int]) -> int:
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     files = json.loads(args.files.read_text())
     dense_dir = Path(next(f["parent_dir"] for f in files if f["parent"] == "dense"))
-    texts = read_texts(args.heldout or dense_dir / "tasks" / "persuasion.jsonl")
+    texts = read_texts(args.heldout or model_dir_layout(dense_dir).heldout)
     prompts = [t[: args.prompt_chars] for t in texts[: args.prompts]]
     opened = {entry["path"]: open_file(entry, args.threads) for entry in files}
     rows = [compare_file(entry, opened[entry["path"]], prompts, args.new_tokens) for entry in files]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from benchmarks.common import DEFAULT_MODEL, RESULTS, write
 from benchmarks.quality import score_dir
+from infra.layout import model_dir_layout
 
 
 def _ours(ratio: float) -> dict[str, dict[str, float]]:
@@ -36,7 +37,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=300)
     parser.add_argument("pruned", type=Path, nargs="+")
     args = parser.parse_args()
-    tasks = args.model / "tasks"
+    tasks = model_dir_layout(args.model).tasks
     dense = score_dir(args.model, tasks, args.limit)
     rows = []
     for pruned in args.pruned:

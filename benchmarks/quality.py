@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import DEFAULT_MODEL, calibration_pairs, quality_grid_parser, write
+from infra.layout import model_dir_layout
 
 METHODS = {"block": ["pip", "random", "magnitude", "taylor", "block_influence"],
            "width": ["pip", "random", "magnitude", "taylor"]}
@@ -39,7 +40,7 @@ def saved(model, tokenizer, scratch: Path) -> Path:
 
 
 def evaluate(model, tokenizer, model_dir: Path, limit: int, scratch: Path) -> dict[str, float]:
-    return score_dir(saved(model, tokenizer, scratch), model_dir / "tasks", limit)
+    return score_dir(saved(model, tokenizer, scratch), model_dir_layout(model_dir).tasks, limit)
 
 
 def main() -> None:

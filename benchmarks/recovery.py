@@ -34,6 +34,7 @@ from pathlib import Path
 
 from benchmarks.common import DEFAULT_MODEL, calibration_pairs, write
 from benchmarks.quality import evaluate
+from infra.layout import model_dir_layout
 
 
 def main() -> None:
@@ -81,14 +82,14 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp())
     model, tok = io.load(args.model)
     pairs, texts = calibration_pairs(args.model, 32, seed=0)
-    held = [json.loads(line)["text"] for line in open(args.model / "tasks" / "persuasion.jsonl")][:30]
+    held = [json.loads(line)["text"] for line in open(model_dir_layout(args.model).heldout)][:30]
     stages = {"dense": {"token_ppl": perplexity(model, tok, held)["perplexity"],
                         **evaluate(model, tok, args.model, args.limit, scratch)}}
     schedule.prune_iteratively(model, CalibrationData(tok, pairs, texts=texts), schedule.ScoringOptions("pip", args.unit),
                                args.ratio, 2, progress=False)
     stages["pruned"] = {"token_ppl": perplexity(model, tok, held)["perplexity"],
                         **evaluate(model, tok, args.model, args.limit, scratch)}
-    train = [json.loads(line)["text"] for line in open(args.model / "calibration" / "calibration.jsonl")]
+    train = [json.loads(line)["text"] for line in open(model_dir_layout(args.model).calibration)]
     start = time.perf_counter()
     model, report = recover_lora(model, tok, train, RecoveryOptions(steps=int(args.steps), progress=False))
     seconds = time.perf_counter() - start
@@ -187,7 +188,7 @@ def compare(args: argparse.Namespace) -> None:
     if args.calibration == "self":  # distillation on the dense model's own texts, as --calibration self trains
         train = sampled_texts(dense, tok, args.train_texts, args.max_length, seed=1)
     else:
-        train = [json.loads(line)["text"] for line in open(args.model / "calibration" / "calibration.jsonl")]
+        train = [json.loads(line)["text"] for line in open(model_dir_layout(args.model).calibration)]
     held = {t for texts_, _ in sets.values() for t in texts_}
     train = [t for t in train if t not in held]
     bench = Bench(args, dense, pruned, tok, train, sets, scratch)
@@ -267,7 +268,7 @@ def _cloze(model, tok, args: argparse.Namespace, scratch: Path) -> float:
     from infra.lmeval import run_lmeval
 
     out = saved(model, tok, scratch)
-    return float(run_lmeval(out, [CLOZE], include_path=args.model / "tasks", limit=args.cloze_limit)[CLOZE]["acc"])
+    return float(run_lmeval(out, [CLOZE], include_path=model_dir_layout(args.model).tasks, limit=args.cloze_limit)[CLOZE]["acc"])
 
 
 def curve(payload: dict) -> list[dict]:

@@ -12,6 +12,7 @@ from prefect import flow
 
 from flows import records
 from infra.config import CompressConfig, EvaluationSettings
+from infra.layout import model_dir_layout
 from tasks.export import (
     ExportSummary,
     ParentRef,
@@ -78,7 +79,7 @@ def export_stage(config: CompressConfig, version: str, model: ModelRef, dense: M
         return []
     heldout = Path(calib.heldout_path)
     if calib.n_heldout == 0:
-        heldout = Path(dense.local_dir) / "tasks" / "persuasion.jsonl"
+        heldout = model_dir_layout(dense.local_dir).heldout
         if not heldout.is_file():
             raise ValueError("export: no held-out texts to measure the GGUF file on (calibration.heldout_samples is 0 "
                              "and the source has no tasks/persuasion.jsonl)")

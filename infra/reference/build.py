@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from infra.calibration import windows
 from infra.hashing import sha256_dir
+from infra.layout import model_dir_layout
 from infra.reference import sources
 from infra.reference.corpus import build_corpus
 from infra.reference.lmeval_tasks import persuasion_chunks, write_tasks
@@ -151,15 +152,15 @@ def write_reference_data(out_dir: Path, texts: dict[str, str], heldout_text: str
     Returns the task YAML paths and the number of calibration windows. Separate so that tests which bring
     their own model (a GGUF file) can have the same data without training one.
     """
-    task_paths = write_tasks(out_dir / "tasks", heldout_text, seed=seed)
-    calib_dir = out_dir / "calibration"
-    calib_dir.mkdir()
+    layout = model_dir_layout(out_dir)
+    task_paths = write_tasks(layout.tasks, heldout_text, seed=seed)
+    layout.calibration.parent.mkdir()
     rows = []
     for source, text in sorted(texts.items()):
         for window in windows(text.split("\n\n"), words_per_window=64, n=256, seed=seed):
             rows.append({"text": window, "source": source})
-    (calib_dir / "calibration.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    WordList.from_texts(texts.values(), min_count=3).write(calib_dir / "wordlist.txt")
+    layout.calibration.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    WordList.from_texts(texts.values(), min_count=3).write(layout.wordlist)
     return task_paths, len(rows)
 
 

@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 
+from infra.layout import model_dir_layout
 from infra.tags import RUN_KEY, S3_URI, SOURCE_MODEL
 from pipprune.commands.common import FAILED, json_output, runtime
 from pipprune.commands.common import fail as _fail
@@ -115,7 +116,7 @@ def _precheck(settings, name: str, version: str, quants: list[str], heldout: Pat
         except GgufExportError as exc:
             _fail(f"{name} v{mv.version}: {exc}")
     if heldout is None:
-        heldout = Path(tags.get(SOURCE_MODEL, "")) / "tasks" / "persuasion.jsonl"
+        heldout = model_dir_layout(tags.get(SOURCE_MODEL, "")).heldout
         if not heldout.is_file():
             _fail(f"no held-out texts: the dense source has no {heldout.relative_to(heldout.parents[1])}; "
                   "pass --heldout FILE")
