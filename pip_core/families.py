@@ -67,9 +67,15 @@ class Family:
     layer_fields: tuple[str, ...] = ()
     #: the attention module reads head counts from its own `config` (Phi-3 splits qkv by them)
     attn_reads_config_heads: bool = False
+    #: (kind, config flag) pairs: the stock config switch that gives every Linear slot of that kind a bias
+    #: (Llama's `attention_bias` for q/k/v/o, `mlp_bias` for gate/up/down); kinds without one cannot hold a bias
+    bias_switches: tuple[tuple[str, str], ...] = ()
 
     def slots(self, kind: str) -> tuple[Slot, ...]:
         return self.attn if kind == "attn" else self.mlp
+
+    def bias_switch(self, kind: str) -> str | None:
+        return dict(self.bias_switches).get(kind)
 
 
 _Q, _K, _V, _O = (Slot("self_attn.q_proj", 0, ("q",)), Slot("self_attn.k_proj", 0, ("kv",)),
@@ -79,20 +85,22 @@ _ATTN = (_Q, _K, _V, _O)
 _ATTN_PROJ_NORMS = _ATTN + (Slot("self_attn.q_norm", 0, ("q",)), Slot("self_attn.k_norm", 0, ("kv",)))
 _MLP = (Slot("mlp.gate_proj", 0, ("ch",)), Slot("mlp.up_proj", 0, ("ch",)), Slot("mlp.down_proj", 1, ("ch",)))
 _LAYER_TYPES = ("layer_types",)
+_ATTN_BIAS = (("attn", "attention_bias"),)
 
 #: one row per supported family (Qwen3 / Gemma 3 q_norm, k_norm act per head_dim: not sliced)
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("llama", "LlamaConfig", "LlamaForCausalLM", _ATTN, _MLP),
+    Family("llama", "LlamaConfig", "LlamaForCausalLM", _ATTN, _MLP, bias_switches=_ATTN_BIAS + (("mlp", "mlp_bias"),)),
     Family("mistral", "MistralConfig", "MistralForCausalLM", _ATTN, _MLP),
     Family("qwen2", "Qwen2Config", "Qwen2ForCausalLM", _ATTN, _MLP, layer_fields=_LAYER_TYPES),
-    Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", _ATTN, _MLP, layer_fields=_LAYER_TYPES),
-    Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM", _ATTN, _MLP, layer_fields=_LAYER_TYPES),
-    Family("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", _ATTN, _MLP, layer_fields=_LAYER_TYPES),
+    Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", _ATTN, _MLP, layer_fields=_LAYER_TYPES, bias_switches=_ATTN_BIAS),
+    Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM", _ATTN, _MLP, layer_fields=_LAYER_TYPES, bias_switches=_ATTN_BIAS),
+    Family("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", _ATTN, _MLP, layer_fields=_LAYER_TYPES,
+           bias_switches=_ATTN_BIAS),
     Family("phi3", "Phi3Config", "Phi3ForCausalLM",
            (Slot("self_attn.qkv_proj", 0, ("q", "kv", "kv")), _O),
            (Slot("mlp.gate_up_proj", 0, ("ch", "ch")), Slot("mlp.down_proj", 1, ("ch",))),
            attn_reads_config_heads=True),
-    Family("olmo2", "Olmo2Config", "Olmo2ForCausalLM", _ATTN_PROJ_NORMS, _MLP),
+    Family("olmo2", "Olmo2Config", "Olmo2ForCausalLM", _ATTN_PROJ_NORMS, _MLP, bias_switches=_ATTN_BIAS),
 )}
 #: prefix of the model_type of a per-layer-pruned model ("pipprune_llama")
 PRUNED_PREFIX = "pipprune_"
