@@ -141,28 +141,43 @@ def parse_sources(spec: str) -> list[tuple[str, float]]:
 
 
 def draw_sources(spec: str, total: int, seed: int, sample_self: Callable[[int], list[str]],
-                 self_words: Callable[[list[str]], WordList], wordlist: str | None = None) -> tuple[list[dict], WordList]:
+                 self_words: Callable[[list[str]], WordList] | None = None,
+                 wordlist: str | None = None) -> tuple[list[dict], WordList | None]:
     """`total` calibration rows drawn from the sources of `spec` by weight (`parse_sources`), each row's `source`
     named, and the word list that decides the perturber's edits: `wordlist` when given, else the union of each
-    source's own (a file's wordlist.txt beside it, else its texts' words; `self`: `self_words` of its texts, built
-    only when needed: it runs the model)."""
+    source's own (`_own_words`; `self`'s runs the model, so it is built only here). With neither `wordlist` nor
+    `self_words` no word list is wanted (a method that perturbs nothing): None in its place."""
+    rows = _draw_rows(spec, total, seed, sample_self)
+    if wordlist:
+        return rows, WordList.from_file(wordlist)
+    if self_words is None:
+        return rows, None
+    by_source = {source: [r["text"] for r in rows if r["source"] == source] for source in dict.fromkeys(
+        r["source"] for r in rows)}
+    lists = [_own_words(source, texts, self_words) for source, texts in by_source.items()]
+    return rows, functools.reduce(WordList.union, lists)
+
+
+def _draw_rows(spec: str, total: int, seed: int, sample_self: Callable[[int], list[str]]) -> list[dict]:
+    """Each source's weight's share of `total` texts (the last source the remainder), in the order of `spec`."""
     sources = parse_sources(spec)
     counts = [round(weight * total) for _, weight in sources]
     counts[-1] = max(1, total - sum(counts[:-1]))
     rows: list[dict] = []
-    lists: list[WordList] = []
     for (source, _), count in zip(sources, counts, strict=True):
-        if source == SELF:
-            texts = sample_self(count)
-            words = None if wordlist else self_words(texts)
-        else:
-            found = CalibrationSource(source)
-            texts = list(load_calibration(found.path, n_samples=count, seed=seed)["text"])
-            words = None if wordlist else (WordList.from_file(found.wordlist) if found.wordlist
-                                           else WordList.from_texts(texts))
+        texts = sample_self(count) if source == SELF else list(
+            load_calibration(CalibrationSource(source).path, n_samples=count, seed=seed)["text"])
         rows += [{"text": t, "source": source} for t in texts]
-        lists += [words] if words is not None else []
-    return rows, WordList.from_file(wordlist) if wordlist else functools.reduce(WordList.union, lists)
+    return rows
+
+
+def _own_words(source: str, texts: list[str], self_words: Callable[[list[str]], WordList]) -> WordList:
+    """A source's own word list: `self_words` of the model's texts; a file's wordlist.txt beside it, else the words
+    of its drawn texts."""
+    if source == SELF:
+        return self_words(texts)
+    found = CalibrationSource(source)
+    return WordList.from_file(found.wordlist) if found.wordlist else WordList.from_texts(texts)
 
 
 class CalibrationSource:

@@ -32,7 +32,7 @@ from pip_core import chunked_loss, families
 from pip_core.errors import CalibrationError, PipCoreError
 from pip_core.recompute import activation_checkpointing
 from pip_core.units import Unit, check_supported, decoder_layers, family_of, unit_tensors
-from pip_core.vocabulary import METHODS, WIDTH_ONLY_METHODS
+from pip_core.vocabulary import FORWARD_ONLY_METHODS, METHODS, PERTURBATION_METHODS, WIDTH_ONLY_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,37 @@ def _batch(seqs: Sequence[torch.Tensor], pad_id: int, device: torch.device) -> t
         ids[row, : s.numel()] = s
         mask[row, : s.numel()] = 1
     return ids.to(device), mask.to(device)
+
+
+#: tokens in one padded batch of a forward-only criterion (rows = this // max_length, at least 1): 32 rows of 128
+#: tokens, a few MB of activations per row on a 135M model, never materialised logits (the decoder alone runs)
+FORWARD_BATCH_TOKENS = 4096
+
+
+class _PaddedPasses:
+    """Forward passes of the decoder over texts in right-padded batches with their attention mask, in inference mode.
+
+    `mask` is the batch in flight's real positions (rows x positions, bool): hooks select them, so a pad never
+    enters a statistic and the sums equal one text at a time. Texts go longest first, so a batch's rows are alike in
+    length and little is padded; the LM head is not run (the criteria read the layers only).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, texts: Sequence[str], max_length: int) -> None:  # noqa: ANN001
+        self.model, self.max_length = model, max_length
+        self.seqs = sorted(_encode(tokenizer, texts, max_length), key=len, reverse=True)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.tokens = sum(s.numel() for s in self.seqs)
+        self.mask = torch.zeros(0, 0, dtype=torch.bool)
+
+    def run(self, progress: bool, desc: str) -> None:
+        device = next(self.model.parameters()).device
+        decoder = getattr(self.model, getattr(self.model, "base_model_prefix", "model"), self.model)
+        rows = max(1, FORWARD_BATCH_TOKENS // self.max_length)
+        with torch.inference_mode():
+            for start in tqdm(range(0, len(self.seqs), rows), desc=desc, disable=not progress):
+                ids, mask = _batch(self.seqs[start:start + rows], self.pad, device)
+                self.mask = mask.bool()
+                decoder(input_ids=ids, attention_mask=mask)
 
 
 def per_sequence_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -268,7 +299,6 @@ def magnitude(model: nn.Module, units: Sequence[Unit]) -> torch.Tensor:
     return acc.sqrt()
 
 
-@torch.no_grad()
 def block_influence(model: nn.Module, tokenizer, texts: Sequence[str], units: Sequence[Unit],  # noqa: ANN001
                     max_length: int = 128, progress: bool = True) -> torch.Tensor:
     """ShortGPT: mean over tokens of 1 - cos(h_in, h_out) of each block (low = redundant)."""
@@ -281,30 +311,27 @@ def _influence_sums(model: nn.Module, tokenizer, texts: Sequence[str], units: Se
     """`block_influence`'s per-unit sum over tokens and the number of tokens."""
     if any(u.kind != "block" for u in units):
         raise PipCoreError("block_influence scores whole blocks only; use unit kind 'block'")
-    seqs = _encode(tokenizer, texts, max_length)
-    device = next(model.parameters()).device
+    passes = _PaddedPasses(model, tokenizer, texts, max_length)
     layers = decoder_layers(model)
-    sums = torch.zeros(len(layers), dtype=torch.float64)
-    count = 0
+    sums: dict[int, torch.Tensor] = {}  # on each layer's device: no host sync per batch
 
     def make_hook(i: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             h_in = args[0] if args else kwargs["hidden_states"]
             h_out = output[0] if isinstance(output, tuple) else output
-            cos = nn.functional.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
-            sums[i] += (1 - cos).sum().double().cpu()
+            real = passes.mask.to(h_in.device)
+            cos = nn.functional.cosine_similarity(h_in[real].float(), h_out[real].float(), dim=-1)
+            sums[i] = sums.get(i, 0) + (1 - cos).double().sum()
         return hook
 
     handles = [layer.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
-        for s in tqdm(seqs, desc="block influence", disable=not progress):
-            ids, mask = _batch([s], 0, device)
-            model(input_ids=ids, attention_mask=mask)
-            count += s.numel()
+        passes.run(progress, "block influence")
     finally:
         for h in handles:
             h.remove()
-    return torch.stack([sums[u.layer] for u in units]), count
+    total = torch.tensor([float(sums[u.layer]) for u in units], dtype=torch.float64)
+    return total, passes.tokens
 
 
 def _removal_sums(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], units: Sequence[Unit],  # noqa: ANN001
@@ -360,14 +387,14 @@ def _removal_sums(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]],
     return torch.stack([total[u.layer] for u in units]), len(pairs)
 
 
-@torch.no_grad()
 def _activation_sums(model: nn.Module, tokenizer, texts: Sequence[str], units: Sequence[Unit],  # noqa: ANN001
                      max_length: int, progress: bool, method: str) -> tuple[torch.Tensor, int]:
     """Forward-only width criteria read at the input of the module that consumes a unit's output (o_proj for a KV
     group's heads, down_proj for an MLP channel; the family's slot on dim 1). "minitron" (Minitron, arXiv
     2407.14679): the per-token L2 norm of the unit's activations, summed over tokens (divide by the count).
     "wanda_sp" (structured Wanda, as FLAP's baseline): per input channel ||X_j||_2 over all tokens times the
-    consumer's column sum_i |W_ij|, summed over the unit's channels (count 1: a whole-set statistic)."""
+    consumer's column sum_i |W_ij|, summed over the unit's channels (count 1: a whole-set statistic). Pad positions
+    of the padded batches are left out of both (`_PaddedPasses.mask`)."""
     if any(u.kind == "block" for u in units):
         raise PipCoreError(f"{method} scores attention groups and MLP channels only; use unit kind width, attn or mlp")
     family = family_of(model)
@@ -375,8 +402,11 @@ def _activation_sums(model: nn.Module, tokenizer, texts: Sequence[str], units: S
     rows: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
     for row, u in enumerate(units):
         rows[(u.kind, u.layer)][u.index] = row
+    passes = _PaddedPasses(model, tokenizer, texts, max_length)
     total = torch.zeros(len(units), dtype=torch.float64)
-    squares: dict[tuple[str, int], torch.Tensor] = {}
+    #: per consumer, on its device (no host sync per batch): wanda_sp the squares per input channel, minitron the
+    #: per-unit sums of token norms
+    sums: dict[tuple[str, int], torch.Tensor] = {}
     consumers: dict[tuple[str, int], tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
     handles = []
     for (kind, i), of_layer in rows.items():
@@ -390,29 +420,27 @@ def _activation_sums(model: nn.Module, tokenizer, texts: Sequence[str], units: S
         consumers[(kind, i)] = (families.get_module(layers[i], slot.module), owner, unit_rows)
 
         def hook(module: nn.Module, args: tuple, key: tuple[str, int] = (kind, i), owner: torch.Tensor = owner,
-                 unit_rows: torch.Tensor = unit_rows) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1]).double().cpu()
+                 n_units: int = len(unit_rows)) -> None:
+            x = args[0][passes.mask.to(args[0].device)].double()  # real positions only: (tokens, channels)
             if method == "wanda_sp":
-                squares[key] = squares.get(key, 0) + x.pow(2).sum(0)
+                sums[key] = sums.get(key, 0) + x.pow(2).sum(0)
                 return
-            per_unit = torch.zeros(x.shape[0], len(unit_rows), dtype=torch.float64).index_add_(1, owner, x.pow(2))
-            total.index_add_(0, unit_rows, per_unit.sqrt().sum(0))
+            per_unit = x.new_zeros(x.shape[0], n_units).index_add_(1, owner.to(x.device), x.pow(2))
+            sums[key] = sums.get(key, 0) + per_unit.sqrt().sum(0)
         handles.append(consumers[(kind, i)][0].register_forward_pre_hook(hook))
-    count = 0
     try:
-        for s in tqdm(_encode(tokenizer, texts, max_length), desc=f"{method} activations", disable=not progress):
-            model(input_ids=s.unsqueeze(0).to(next(model.parameters()).device))
-            count += s.numel()
+        passes.run(progress, f"{method} activations")
     finally:
         for h in handles:
             h.remove()
-    if method != "wanda_sp":
-        return total, count
-    for key, sq in squares.items():
+    for key, value in sums.items():
         module, owner, unit_rows = consumers[key]
-        weight = module.weight.detach().double().abs().sum(0).cpu()
-        total.index_add_(0, unit_rows[owner], sq.sqrt() * weight)
-    return total, 1
+        if method == "wanda_sp":
+            weight = module.weight.detach().double().abs().sum(0)
+            total.index_add_(0, unit_rows[owner], (value.sqrt() * weight.to(value.device)).cpu())
+        else:
+            total.index_add_(0, unit_rows, value.cpu())
+    return (total, 1) if method == "wanda_sp" else (total, passes.tokens)
 
 
 def random_scores(units: Sequence[Unit], seed: int) -> torch.Tensor:
@@ -422,8 +450,8 @@ def random_scores(units: Sequence[Unit], seed: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class CalibrationData:
-    """What the gradient methods run the model on: its tokenizer, the (original, perturbed) pairs PIP
-    compares, and the plain texts taylor / block-influence use (default: the pairs' originals)."""
+    """What the data-reading methods run the model on: its tokenizer, the (original, perturbed) pairs PIP's
+    dual-view forms compare, and the plain texts every other method reads (default: the pairs' originals)."""
 
     tokenizer: Any = None
     pairs: Sequence[tuple[str, str]] | None = ()
@@ -495,7 +523,9 @@ def reduce_sums(partials: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
 
 def _sums(model: nn.Module, data: CalibrationData, method: str, units: Sequence[Unit], max_length: int,
           progress: bool) -> tuple[torch.Tensor, int]:
-    tokenizer, pairs = data.tokenizer, data.pair_list
+    tokenizer = data.tokenizer
+    # the single-view ablations never read the perturbed view: they score the plain texts, each its own partner
+    pairs = data.pair_list if method in PERTURBATION_METHODS else [(t, t) for t in data.text_list]
     if method == "block_influence":
         return _influence_sums(model, tokenizer, data.text_list, units, max_length, progress)
     if method in ACTIVATION_METHODS:
@@ -511,7 +541,9 @@ def _sums(model: nn.Module, data: CalibrationData, method: str, units: Sequence[
 @contextmanager
 def _scoring_mode(model: nn.Module, method: str, units: Sequence[Unit], seed: int,
                   gradient_checkpointing: bool) -> Iterator[None]:
-    """Checks, eval mode (or checkpointing's dropout-free train mode) and the seed, restored afterwards."""
+    """Checks, eval mode (or checkpointing's dropout-free train mode) and the seed, restored afterwards.
+
+    The forward-only criteria never checkpoint: with no backward it saves nothing and costs train mode."""
     if method not in METHODS:
         raise PipCoreError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
     check_supported(model)
@@ -521,7 +553,7 @@ def _scoring_mode(model: nn.Module, method: str, units: Sequence[Unit], seed: in
     model.eval()
     torch.manual_seed(seed)
     try:
-        with activation_checkpointing(model, gradient_checkpointing):
+        with activation_checkpointing(model, gradient_checkpointing and method not in FORWARD_ONLY_METHODS):
             yield
     finally:
         model.train(was_training)

@@ -29,6 +29,11 @@ METHOD_ALIASES = {"block-influence": "block_influence"}
 BLOCK_ONLY_METHODS = frozenset({"block_influence", "pip_removal", "pip_removal_single_view"})
 #: methods that score attention groups and MLP channels only
 WIDTH_ONLY_METHODS = frozenset({"minitron", "wanda_sp"})
+#: methods that read the perturbed view of a text (PIP's dual-view forms): only these need perturbed pairs and a
+#: word list; the single-view ablations and every other method read the plain texts (or none)
+PERTURBATION_METHODS = frozenset({"pip", "pip_l2", "pip_first_order", "pip_removal"})
+#: methods that run the model forward only (no gradient): inference mode, padded batches, no checkpointing
+FORWARD_ONLY_METHODS = frozenset({"block_influence", "minitron", "wanda_sp"})
 
 #: how width units are cut: the same count in every layer (the family's stock config, loads anywhere),
 #: or each layer its own count (custom config + modeling file)

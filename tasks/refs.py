@@ -31,11 +31,15 @@ class SourceRef(_Ref):
 
 
 class CalibrationRef(_Ref):
-    """The prepared calibration: pairs and held-out texts on disk, and what every task needs of the source.
+    """The prepared calibration: the scoring, held-out and recovery texts on disk, and what every task needs of
+    the source.
 
-    `source_path` is the resolved calibration file, `source_digest` the content of that file and its
-    word list (`infra.calibration.CalibrationSource.digest`), `max_length` the tokens per text every
-    task truncates to; so no task rebuilds the source from the raw config string.
+    `pairs_path` holds the scoring texts, one row each with its perturbed view (`perturbed` null when the
+    method perturbs nothing: then `n_pairs` and `n_skipped` are 0 and `wordlist_hash` is empty). `source_path` is
+    the resolved calibration file, `source_digest` the content of that file and its word list
+    (`infra.calibration.CalibrationSource.digest`), `max_length` the tokens per text every task truncates to; so
+    no task rebuilds the source from the raw config string. `recovery_path` holds the recovery's texts, drawn
+    apart from the scoring and held-out ones (None: none were asked for).
     """
 
     pairs_path: str
@@ -48,6 +52,10 @@ class CalibrationRef(_Ref):
     source_path: str
     source_digest: str
     max_length: int
+    #: scoring texts (every one, perturbed or not: the pairs' originals when the method perturbs)
+    n_texts: int = 0
+    recovery_path: str | None = None
+    n_recovery: int = 0
 
 
 class StatsRef(_Ref):

@@ -25,7 +25,7 @@ from pip_core import schedule
 from pip_core import units as core_units
 from pip_core.importance import CalibrationData
 from pip_core.schedule import ScoringOptions, StepSpec
-from pip_core.vocabulary import UnitKind
+from pip_core.vocabulary import FORWARD_ONLY_METHODS, PERTURBATION_METHODS, UnitKind
 from tasks import parallel_scoring
 from tasks._common import key_from
 from tasks.calibration import read_pairs
@@ -71,14 +71,20 @@ def score_units(model: ModelRef, calib: CalibrationRef, scoring: ScoringSettings
     """Score every unit of `model` with the configured method (PIP: dual-view gradient differences).
 
     Gradients are reduced to float32/float64 per unit whatever the weights' dtype; gradient
-    checkpointing is switched on when the plan says the activations do not fit.
+    checkpointing is switched on when the plan says the activations do not fit, never for a forward-only
+    criterion (no backward: it would save nothing and cost train mode). The PIP forms read the pairs' perturbed
+    views; every other method reads all the scoring texts.
     """
     max_length = calib.max_length
     net, tokenizer = load_model(model, runtime, seq_len=max_length)
     placement = placement_for(model, runtime, max_length, loaded=True)
     started = time.perf_counter()
     pairs = read_pairs(calib)
-    options = scoring_options(scoring, max_length, placement.gradient_checkpointing)
+    if scoring.method in PERTURBATION_METHODS and not calib.n_pairs:
+        raise ValueError(f"method {scoring.method} compares perturbed views, but {calib.pairs_path} holds none: "
+                         "prepare the calibration with perturb=True")
+    lean = placement.gradient_checkpointing and scoring.method not in FORWARD_ONLY_METHODS
+    options = scoring_options(scoring, max_length, lean)
     if parallel_scoring.wants_cluster(runtime, scoring.method):  # data-parallel over Dask workers: same scores
         found, scores = parallel_scoring.score_on_cluster(model, pairs, spec, options, runtime)
     else:
