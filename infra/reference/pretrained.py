@@ -57,3 +57,9 @@ def gguf_path(spec: PretrainedSpec) -> Path:
 
 def package_version(spec: PretrainedSpec) -> str:
     return importlib.metadata.version(spec.package)
+
+
+if __name__ == "__main__":  # `python -m infra.reference.pretrained smollm2-135m`: the GGUF file's path (make demo)
+    import sys
+
+    print(gguf_path(PRETRAINED[sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m"]))
