@@ -2,25 +2,103 @@
 
 A model with no calibration text beside it (a GGUF file, a hub id) still has a distribution of its own, and
 calibration text close to what the model was trained on matters more for pruning than the criterion
-("Beware of Calibration Data for Pruning LLMs", arXiv 2410.17711: self-generated text works well). Both
-functions are seeded and deterministic on a given device.
+("Beware of Calibration Data for Pruning LLMs", arXiv 2410.17711: self-generated text works well, once the
+highest-perplexity fifth of the samples is dropped). Both are seeded and deterministic on a given device.
+
+Sampling is one hand-written decode loop over the model's KV cache for all texts at once (as many rows as the
+memory bound allows): a few hundred rows per forward keep the CPU's matrix units busy where HF `generate` with a
+batch of 16 left them waiting on memory, a row leaves the batch when it emits EOS, and the nucleus is cut from a
+top-k instead of a sort of the whole vocabulary. The model's own log-probability of each sampled token comes from
+the same logits, for the perplexity filter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from pip_core.errors import CalibrationError
 from pip_core.perturb import single_edits
+from pip_core.serving import _cache_name
 from pip_core.wordlist import WORD, WordList
 
 #: markers a byte-level BPE (GPT-2, Llama 3, SmolLM) or SentencePiece vocabulary puts before a word-initial token
 WORD_START = ("Ġ", "▁")
+#: the nucleus is cut from this many most probable tokens; a row whose nucleus is wider sorts its whole vocabulary
+NUCLEUS_TOP_K = 512
+#: fp32 copies of a row's logits alive at once in a decode step (logits, probabilities, their log-sum-exp, top-k)
+LOGIT_COPIES = 4
+#: the share of sampled texts the first loop expects to keep (length and repetition filters), and the least
+#: share a later loop assumes; each loop asks for `MARGIN` times the rows that share says are missing
+FIRST_KEEP_RATE, MIN_KEEP_RATE, MARGIN = 0.9, 0.1, 1.1
+#: decode loops before giving up on a model that keeps ending its texts too early or looping
+MAX_LOOPS = 8
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How `sampled_texts` samples: how many texts, how, and which it drops (passed whole)."""
+
+    #: texts returned, exactly
+    n: int
+    #: the most tokens sampled for a text; the model ends many earlier (EOS), and their text ends there
+    new_tokens: int = 128
+    #: seeds every decode loop: the same options give the same texts on the same device and dtype
+    seed: int = 0
+    #: softmax temperature of the sampling (1: the model's own distribution)
+    temperature: float = 1.0
+    #: nucleus sampling: each token is drawn from the fewest most probable tokens holding this probability
+    top_p: float = 0.95
+    #: a text shorter than this (stripped) is dropped
+    min_chars: int = 20
+    #: the least share of distinct token bigrams a text must have: a text that loops repeats them ("A-R-A-R-...":
+    #: 0.09, "1, 2, 3, ...": 0.35, "and second, and third, and fourth, ...": 0.5) and is dropped; 200 SmolLM2-135M
+    #: samples of 128 tokens that do not loop had 0.60 to 1 (median 0.94). Bigrams, not 3-grams: a counting loop
+    #: has distinct 3-grams ("and fourth,", "and fifth,") as often as text does
+    min_distinct: float = 0.55
+    #: the share of the remaining texts dropped for the highest perplexity (the model's own, on the tokens it
+    #: sampled); arXiv 2410.17711 drops 20%
+    drop_tail: float = 0.2
+    #: the most memory one decode loop's state (KV cache, logits) may take, in MiB: it sets the loop's batch from
+    #: the model's cache bytes per token, so it is deterministic for a model and options; another bound gives other
+    #: texts for the same seed (other batches, other rounding)
+    memory_mib: int = 2048
+    #: sample under bf16 autocast where the model is fp32 on a CPU with native bf16 (avx512_bf16, AMX): 1.45x the
+    #: tokens per CPU-second on SmolLM2-135M (one thread, 128 rows). The texts then depend on it, and on the CPU
+    #: having bf16: False samples in the model's own precision everywhere
+    cpu_bf16: bool = True
+    #: a progress bar over each loop's decode steps
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.new_tokens < 1:
+            raise CalibrationError(f"asked for {self.n} sampled calibration texts of {self.new_tokens} tokens; "
+                                   "at least 1 of 1 is needed")
+        if not (self.temperature > 0 and 0 < self.top_p <= 1 and 0 <= self.drop_tail < 1 and self.memory_mib > 0):
+            raise CalibrationError(f"sampling options out of range: temperature {self.temperature} (> 0), top_p "
+                                   f"{self.top_p} (0, 1], drop_tail {self.drop_tail} [0, 1), memory_mib "
+                                   f"{self.memory_mib} (> 0)")
+
+    @property
+    def pool(self) -> int:
+        """Texts that pass the length and repetition filters needed before the perplexity tail is dropped."""
+        return math.ceil(self.n / (1 - self.drop_tail))
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled text: its token ids (start token and EOS left out), whether the model ended it (EOS) and the
+    model's own mean negative log-probability of its tokens (log perplexity; inf for an empty text)."""
+
+    tokens: tuple[int, ...]
+    ended: bool
+    nll: float
 
 
 def start_token(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -31,38 +109,150 @@ def start_token(tokenizer: PreTrainedTokenizerBase) -> int:
     return int(token)
 
 
-@torch.no_grad()
-def sampled_texts(model: nn.Module, tokenizer: PreTrainedTokenizerBase, n: int, new_tokens: int, seed: int,
-                  batch_size: int = 16, temperature: float = 1.0, top_p: float = 0.95, min_chars: int = 20,
-                  progress: bool = True) -> list[str]:
-    """`n` texts sampled from the model (nucleus sampling from the start token), each batch seeded by `seed` and
-    its index; texts shorter than `min_chars` are drawn again. The global RNG is left as it was."""
-    if n < 1:
-        raise CalibrationError(f"asked for {n} sampled calibration texts; at least 1 is needed")
+def stop_tokens(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The tokens that end a text: the tokenizer's EOS and the model's generation config's (an int or a list)."""
+    config = getattr(model, "generation_config", None)
+    found = [tokenizer.eos_token_id, getattr(config, "eos_token_id", None)]
+    flat = [t for f in found for t in (f if isinstance(f, (list, tuple)) else [f]) if t is not None]
+    return tuple(sorted(set(int(t) for t in flat)))
+
+
+def nucleus_sample(logits: torch.Tensor, u: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                   top_k: int = NUCLEUS_TOP_K) -> torch.Tensor:
+    """Per row of `logits`, the token at quantile `u` (uniform in [0, 1)) of its nucleus: the fewest most probable
+    tokens that hold `top_p` of the probability at `temperature`. The nucleus is cut from the `top_k` most probable
+    tokens where they hold it; only the rows where they do not sort their whole vocabulary (a sort of 49k
+    probabilities per row and step cost more than the forward of a small model)."""
+    probs = (logits / temperature).softmax(-1)
+    if top_p >= 1:
+        return _at_quantile(probs, None, u, 1.0)
+    top, order = probs.topk(min(top_k, probs.shape[-1]), -1)
+    picked = _at_quantile(top, order, u, top_p)
+    wide = top.sum(-1) < top_p
+    if wide.any():
+        full, full_order = probs[wide].sort(-1, descending=True)
+        picked[wide] = _at_quantile(full, full_order, u[wide], top_p)
+    return picked
+
+
+def _at_quantile(probs: torch.Tensor, order: torch.Tensor | None, u: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The token at quantile `u` of the shortest prefix of `probs` (sorted descending unless `top_p` is 1) holding
+    `top_p`; `order` maps positions to token ids (None: positions are the ids)."""
+    mass = probs.cumsum(-1)
+    size = ((mass < top_p).sum(-1, keepdim=True) + 1).clamp(max=probs.shape[-1])
+    pos = torch.searchsorted(mass, u[:, None].to(mass.dtype) * mass.gather(-1, size - 1))
+    pos = torch.minimum(pos, size - 1)
+    return (pos if order is None else order.gather(-1, pos))[:, 0]
+
+
+def decode(model: nn.Module, start: int, stop: Sequence[int], rows: int, options: SamplingOptions,
+           loop: int = 0) -> list[Sample]:
+    """Up to `rows` samples from one decode loop over the model's KV cache (fewer where `options.memory_mib` holds
+    fewer), seeded by `options.seed` and `loop`. A row leaves the batch when it emits a `stop` token; each row draws
+    its own uniform per step, so its text does not depend on when the others end (up to the rounding of the
+    batch). Call under inference mode with the model in eval mode."""
+    with _precision(model, options):
+        return _decode(model, start, stop, rows, options, loop)
+
+
+def _decode(model: nn.Module, start: int, stop: Sequence[int], rows: int, options: SamplingOptions,
+            loop: int) -> list[Sample]:
     device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    logits = _next_logits(model, torch.tensor([start], device=device), cache)  # every row starts the same
+    rows = min(rows, _rows_within(cache, logits.shape[-1], options))
+    cache.batch_repeat_interleave(rows)
+    logits = logits.expand(rows, -1)
+    generator = torch.Generator(device=device).manual_seed(options.seed * 100_003 + loop)
+    stop = torch.tensor(list(stop), dtype=torch.long, device=device)
+    tokens = torch.zeros(rows, options.new_tokens, dtype=torch.long, device=device)
+    length = torch.full((rows,), options.new_tokens, device=device)
+    nll = torch.zeros(rows, dtype=torch.float64, device=device)
+    live = torch.arange(rows, device=device)
+    bar = tqdm(total=options.new_tokens, desc=f"sampling {rows} calibration texts", unit="token",
+               disable=not options.progress)
+    for step in range(options.new_tokens):
+        u = torch.rand(rows, generator=generator, device=device)[live]
+        picked = nucleus_sample(logits, u, options.temperature, options.top_p)
+        ended = torch.isin(picked, stop)
+        tokens[live, step] = picked
+        logp = logits.gather(-1, picked[:, None])[:, 0] - logits.logsumexp(-1)
+        nll[live] -= torch.where(ended, 0.0, logp).double()
+        length[live[ended]] = step
+        bar.update()
+        if ended.any():
+            keep = (~ended).nonzero()[:, 0]
+            live, picked = live[keep], picked[keep]
+            cache.batch_select_indices(keep)
+        if not live.numel() or step + 1 == options.new_tokens:
+            break
+        logits = _next_logits(model, picked, cache)
+    bar.close()
+    lengths = length.tolist()
+    return [Sample(tuple(row[:k]), k < options.new_tokens, total / k if k else math.inf)
+            for row, k, total in zip(tokens.tolist(), lengths, nll.tolist(), strict=True)]
+
+
+def _precision(model: nn.Module, options: SamplingOptions) -> torch.autocast:
+    """bf16 autocast where `options.cpu_bf16` asks for it and it pays (fp32 weights on a CPU with native bf16),
+    else a disabled one: the model samples in its own dtype."""
+    weight = next(model.parameters())
+    native = weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.cpu_bf16 and native)
+
+
+def _next_logits(model: nn.Module, tokens: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    """fp32 logits of the next token of every row, after `tokens` (one per row) appended to `cache`."""
+    return model(input_ids=tokens[:, None], use_cache=True, **{_cache_name(model): cache}).logits[:, -1].float()
+
+
+def _rows_within(cache: DynamicCache, vocab: int, options: SamplingOptions) -> int:
+    """Rows of a decode loop whose state fits `options.memory_mib`: each row's KV cache (its bytes per token read
+    from the one-token cache of one row, whatever the family and dtype) and its fp32 logits."""
+    per_token = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+    per_row = per_token * (1 + options.new_tokens) + LOGIT_COPIES * 4 * vocab
+    return max(1, options.memory_mib * 2**20 // per_row)
+
+
+def distinct_ratio(tokens: Sequence[int], n: int = 2) -> float:
+    """The share of a token sequence's `n`-grams that are distinct: near 1 for text, low for a loop (1 for a
+    sequence too short to repeat one). `SamplingOptions.min_distinct` bounds it for bigrams."""
+    grams = list(zip(*(tokens[i:] for i in range(n)), strict=False))
+    return len(set(grams)) / len(grams) if len(grams) > 1 else 1.0
+
+
+def lowest_perplexity(samples: Sequence[Sample], n: int) -> list[int]:
+    """Indices, in order, of the `n` samples of lowest perplexity (ties: the earlier sample)."""
+    return sorted(sorted(range(len(samples)), key=lambda i: (samples[i].nll, i))[:n])
+
+
+@torch.inference_mode()
+def sampled_texts(model: nn.Module, tokenizer: PreTrainedTokenizerBase, options: SamplingOptions) -> list[str]:
+    """Exactly `options.n` texts sampled from the model (nucleus sampling from the start token, each text ended
+    where the model ends it), seeded. Texts shorter than `min_chars` or that loop (`min_distinct`) are dropped,
+    then the `drop_tail` share of highest perplexity; decode loops run until enough remain, the first sized to
+    need no second. The model is left in the mode it was in, the global RNG as it was."""
+    start, stop = start_token(tokenizer), stop_tokens(model, tokenizer)
     was_training = model.training
     model.eval()
-    texts: list[str] = []
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    bar = tqdm(total=n, desc="sampling calibration texts from the model", disable=not progress)
+    kept: list[tuple[Sample, str]] = []
+    drawn = 0
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for batch in range(4 * (n // batch_size + 1)):  # bounded: a model that only stops early fails below
-                torch.manual_seed(seed * 100_003 + batch)
-                ids = torch.full((batch_size, 1), start_token(tokenizer), dtype=torch.long, device=device)
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                     do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                                     pad_token_id=pad)
-                found = [t.strip() for t in tokenizer.batch_decode(out[:, 1:], skip_special_tokens=True)]
-                found = [t for t in found if len(t) >= min_chars][:n - len(texts)]
-                texts += found
-                bar.update(len(found))
-                if len(texts) >= n:
-                    return texts
+        for loop in range(MAX_LOOPS):
+            rate = len(kept) / drawn if drawn else FIRST_KEEP_RATE
+            rows = math.ceil((options.pool - len(kept)) / max(rate, MIN_KEEP_RATE) * MARGIN)
+            samples = decode(model, start, stop, rows, options, loop)
+            drawn += len(samples)
+            texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
+            kept += [(s, t.strip()) for s, t in zip(samples, texts, strict=True)
+                     if len(t.strip()) >= options.min_chars and distinct_ratio(s.tokens) >= options.min_distinct]
+            if len(kept) >= options.pool:
+                pool = kept[:options.pool]
+                return [pool[i][1] for i in lowest_perplexity([s for s, _ in pool], options.n)]
     finally:
-        bar.close()
         model.train(was_training)
-    raise CalibrationError(f"the model gave only {len(texts)} of {n} texts of at least {min_chars} characters")
+    raise CalibrationError(f"the model gave only {len(kept)} of the {options.pool} texts needed ({drawn} sampled): "
+                           f"too many shorter than {options.min_chars} characters or looping")
 
 
 @torch.no_grad()

@@ -4,6 +4,8 @@ the forward-only width baselines (Minitron's activation norm, structured Wanda) 
 from __future__ import annotations
 
 import copy
+import math
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,9 +14,21 @@ import torch
 
 from infra.calibration import CalibrationDataError, parse_sources
 from pip_core import importance, units
-from pip_core.errors import PipCoreError
+from pip_core.errors import CalibrationError, PipCoreError
 from pip_core.importance import CalibrationData
-from pip_core.self_calibration import sampled_texts, vocabulary_words
+from pip_core.self_calibration import (
+    FIRST_KEEP_RATE,
+    LOGIT_COPIES,
+    Sample,
+    SamplingOptions,
+    decode,
+    distinct_ratio,
+    lowest_perplexity,
+    nucleus_sample,
+    sampled_texts,
+    start_token,
+    vocabulary_words,
+)
 from tests.test_pip_core import SENTENCES, _train, llama, tok  # noqa: F401 - tok is a fixture
 
 
@@ -35,12 +49,147 @@ def test_sources_parse_into_weights_that_sum_to_one():
 
 def test_sampled_texts_are_seeded_and_leave_the_global_rng_alone(tok, model):  # noqa: F811
     state = torch.random.get_rng_state()
-    a = sampled_texts(model, tok, 5, 24, seed=3, batch_size=4, min_chars=1, progress=False)
-    assert torch.equal(torch.random.get_rng_state(), state)
-    assert a == sampled_texts(model, tok, 5, 24, seed=3, batch_size=4, min_chars=1, progress=False)
-    assert a != sampled_texts(model, tok, 5, 24, seed=4, batch_size=4, min_chars=1, progress=False)
+    options = SamplingOptions(n=5, new_tokens=24, seed=3, min_chars=1, progress=False)
+    model.train()
+    a = sampled_texts(model, tok, options)
+    assert torch.equal(torch.random.get_rng_state(), state) and model.training is True
+    model.eval()
+    assert a == sampled_texts(model, tok, options)
+    assert a != sampled_texts(model, tok, replace(options, seed=4))
     assert len(a) == 5 and all(isinstance(t, str) and t for t in a)
-    assert model.training is False
+    assert len(sampled_texts(model, tok, replace(options, n=13))) == 13 and model.training is False
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> set[int]:
+    """The fewest most probable tokens holding `top_p`, by a sort of the whole row."""
+    values, order = probs.sort(descending=True)
+    return set(order[: int((values.cumsum(0) < top_p).sum()) + 1].tolist())
+
+
+@pytest.mark.parametrize(("top_p", "top_k"), [(0.9, 400), (0.9, 8), (0.3, 8), (1.0, 8)])
+def test_nucleus_sample_draws_each_nucleus_token_by_its_probability(top_p, top_k):
+    logits = torch.randn(3, 400, generator=torch.Generator().manual_seed(0)) * torch.tensor([[0.2], [3.0], [8.0]])
+    grid = 20_000
+    u = (torch.arange(grid) + 0.5) / grid  # evenly spread quantiles: each token gets its share of them, +-1
+    for row in range(3):
+        picked = nucleus_sample(logits[row].expand(grid, -1), u, temperature=1.5, top_p=top_p, top_k=top_k)
+        probs = (logits[row] / 1.5).softmax(-1)
+        nucleus = sorted(_nucleus(probs, top_p))
+        assert set(picked.tolist()) <= set(nucleus)
+        counts = torch.bincount(picked, minlength=400)[nucleus].double()
+        expected = probs[nucleus].double() / probs[nucleus].sum() * grid
+        assert (counts - expected).abs().max() <= 1.5
+
+
+def _eos_like_period(model, tok, scale: float = 1.05):  # noqa: F811
+    """A copy of `model` that ends a text (EOS) as readily as it ends a sentence with '.' (its logit, scaled)."""
+    eos_model = copy.deepcopy(model)
+    weight = eos_model.get_output_embeddings().weight  # tied with the input embeddings
+    with torch.no_grad():
+        weight[tok.eos_token_id] = scale * weight[tok.convert_tokens_to_ids(".")]
+    return eos_model
+
+
+def test_a_greedy_row_ends_where_the_model_emits_eos_as_generate_does(tok, model):  # noqa: F811
+    eos_model = _eos_like_period(model, tok)
+    start = start_token(tok)
+    with torch.inference_mode():
+        options = SamplingOptions(n=1, new_tokens=40, top_p=1e-6, cpu_bf16=False, progress=False)
+        [sample, *_] = decode(eos_model, start, [tok.eos_token_id], 3, options)
+        ids = torch.tensor([[start]])
+        greedy = eos_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
+                                    do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    greedy = greedy[0, 1:].tolist()
+    assert tok.eos_token_id in greedy  # the model does end its text: the test tests something
+    assert sample.ended and list(sample.tokens) == greedy[: greedy.index(tok.eos_token_id)]
+
+
+def test_every_batched_sample_is_a_valid_sample_with_its_own_perplexity(tok, model):  # noqa: F811
+    eos_model = _eos_like_period(model, tok, scale=0.7)
+    options = SamplingOptions(n=1, new_tokens=30, seed=1, top_p=0.8, temperature=1.2, cpu_bf16=False, progress=False)
+    start, eos = start_token(tok), tok.eos_token_id
+    with torch.inference_mode():
+        samples = decode(eos_model, start, [eos], 24, options)
+    lengths = [len(s.tokens) for s in samples]
+    assert len(samples) == 24 and len(set(lengths)) > 3  # rows left the batch at several steps
+    assert any(s.ended for s in samples) and not all(s.ended for s in samples)
+    for s in samples:
+        assert eos not in s.tokens and s.ended == (len(s.tokens) < options.new_tokens)
+        ids = [start, *s.tokens, *([eos] if s.ended else [])]
+        with torch.inference_mode():
+            logits = eos_model(input_ids=torch.tensor([ids])).logits[0, :-1]  # one row, no cache: the reference
+        for position, token in enumerate(ids[1:]):
+            assert token in _nucleus((logits[position] / options.temperature).softmax(-1), options.top_p)
+        nll = -logits.log_softmax(-1)[torch.arange(len(s.tokens)), torch.tensor(s.tokens, dtype=torch.long)].mean()
+        assert s.nll == (pytest.approx(float(nll), rel=1e-4) if s.tokens else math.inf)
+
+
+def test_the_memory_bound_sets_the_rows_of_a_loop(tok, model):  # noqa: F811
+    options = SamplingOptions(n=1, new_tokens=24, memory_mib=1, cpu_bf16=False, progress=False)
+    config = model.config
+    cache_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * (1 + 24)
+    rows = 2**20 // (cache_bytes + LOGIT_COPIES * 4 * len(tok))
+    with torch.inference_mode():
+        assert len(decode(model, start_token(tok), [tok.eos_token_id], 1000, options)) == rows < 1000
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="the CPU has no native bf16")
+def test_bf16_sampling_stays_close_to_the_model_and_fits_more_rows(tok, model):  # noqa: F811
+    options = SamplingOptions(n=1, new_tokens=24, seed=2, memory_mib=1, progress=False)
+    start = start_token(tok)
+    with torch.inference_mode():
+        low, full = (decode(model, start, [tok.eos_token_id], 1000, replace(options, cpu_bf16=on)) for on in (True, False))
+        assert len(low) >= len(full)  # its cache holds bf16 values: the rows come from the bytes the cache takes
+        for s in low[:8]:
+            logits = model(input_ids=torch.tensor([[start, *s.tokens]])).logits[0, :-1]
+            nll = -logits.log_softmax(-1)[torch.arange(len(s.tokens)), torch.tensor(s.tokens)].mean()
+            assert s.nll == pytest.approx(float(nll), abs=0.05)  # the fp32 model's own perplexity, to bf16's rounding
+    assert [s.tokens for s in low] != [s.tokens for s in full]
+
+
+def test_distinct_ratio_is_low_for_a_loop_and_one_for_text(tok):  # noqa: F811
+    loop = tok.encode(" and second, and third, and second, and third" * 4)
+    text = tok.encode(" ".join(SENTENCES))
+    assert distinct_ratio(loop) < 0.3 < SamplingOptions(n=1).min_distinct < 0.9 < distinct_ratio(text)
+    assert distinct_ratio([5, 6, 7] * 10) == pytest.approx(3 / 29)
+    assert distinct_ratio([5, 6, 7] * 10, n=3) == pytest.approx(3 / 28)
+    assert distinct_ratio([4]) == distinct_ratio([4, 4, 4, 4], n=5) == 1.0  # too short to repeat an n-gram
+
+
+def test_lowest_perplexity_keeps_the_n_lowest_in_order():
+    samples = [Sample((1,), False, nll) for nll in (2.0, 5.0, 1.0, math.inf, 2.0, 3.0)]
+    assert lowest_perplexity(samples, 4) == [0, 2, 4, 5]
+    assert lowest_perplexity(samples, 1) == [2]
+
+
+def test_sampled_texts_drop_short_looping_and_high_perplexity_samples(tok, model, monkeypatch):  # noqa: F811
+    from pip_core import self_calibration
+
+    def sample(text: str, nll: float) -> Sample:
+        return Sample(tuple(tok.encode(text)), True, nll)
+
+    a, b, c, d = SENTENCES[0], SENTENCES[1], SENTENCES[2], SENTENCES[3]
+    drawn = [sample(a, 1.0), sample(b * 4, 0.5), sample(b, 3.0), sample("A cat.", 0.1), sample(c, 2.0),
+             sample(d, 1.5), sample(d, 0.1)]
+    asked = []
+
+    def fake_decode(model, start, stop, rows, options, loop=0):
+        asked.append((rows, loop))
+        return drawn[loop * 2: loop * 2 + 2]  # two a loop: the later loops ask for what is still missing
+
+    monkeypatch.setattr(self_calibration, "decode", fake_decode)
+    options = SamplingOptions(n=3, drop_tail=0.25, progress=False)  # 4 texts pass, the highest perplexity goes
+    assert sampled_texts(model, tok, options) == [tok.decode(tok.encode(t)).strip() for t in (a, c, d)]
+    assert [loop for _, loop in asked] == [0, 1, 2]
+    assert asked[0][0] >= 4 / FIRST_KEEP_RATE and asked[1][0] >= 3 * 2  # 1 of 2 kept: twice what is missing
+    with pytest.raises(CalibrationError, match="only 5 of the 7 texts needed"):
+        sampled_texts(model, tok, SamplingOptions(n=5, drop_tail=0.2, progress=False))
+
+
+def test_sampling_options_refuse_values_out_of_range():
+    for bad in ({"n": 0}, {"n": 1, "top_p": 0.0}, {"n": 1, "drop_tail": 1.0}, {"n": 1, "temperature": 0.0}):
+        with pytest.raises(CalibrationError):
+            SamplingOptions(**bad)
 
 
 class _Continuations(torch.nn.Module):
