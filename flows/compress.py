@@ -25,7 +25,7 @@ from infra.settings import Settings
 from pip_core.schedule import plan, step_spec
 from tasks.budget import aligned, log_budget, plan_budget
 from tasks.calibration import prepare_calibration, resolve_calibration
-from tasks.evaluation import eval_provenance, evaluate, quick_eval, tasks_digest
+from tasks.evaluation import eval_provenance, evaluate, general_eval, quick_eval, tasks_digest
 from tasks.models import placement_for, resolve_source
 from tasks.pruning import checkpoint, prune_step
 from tasks.recovery import recover
@@ -80,15 +80,18 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
 
 
 def _measure_dense(run: records.RunContext) -> records.DenseFigures:
-    """Held-out perplexity (and the dense log-probabilities later steps compare with), lm-eval, serving, samples."""
+    """Held-out perplexity (and the dense log-probabilities later steps compare with), the general held-out set
+    (and the dense per-token figures the final model is compared with), lm-eval, serving, samples."""
     config, rt, ev = run.config, run.config.runtime, run.config.evaluation
     before = quick_eval(run.source.model, run.calib, rt, reference=run.source.model)
-    lm_eval = evaluate(run.source.model, ev.tasks, ev.include_path, tasks_digest(ev.include_path), ev.limit, rt)
+    general = general_eval(run.source.model, rt)
+    lm_eval = evaluate(run.source.model, ev.tasks, ev.include_path, tasks_digest(ev.include_path, ev.tasks), ev.limit,
+                       rt)
     serving = measure_serving(run.source.model, run.calib, config.serving, rt)
     samples = generate_samples(run.source.model, ev.prompts, ev.new_tokens, rt)
     run.memory.between_stages()
     stage(f"dense model measured: {records.describe_figures(before, lm_eval.results)}")
-    return records.DenseFigures(heldout=before, lm_eval=lm_eval, serving=serving, samples=samples)
+    return records.DenseFigures(heldout=before, lm_eval=lm_eval, serving=serving, samples=samples, general=general)
 
 
 def _prune_steps(run: records.RunContext, budget: BudgetRef,
@@ -141,30 +144,34 @@ def _recovery_stage(run: records.RunContext, model: ModelRef, done: list[dict], 
 
 def _finish(run: records.RunContext, model: ModelRef, budget: BudgetRef, dense: records.DenseFigures,
             history: list[dict], resumed: records.Resumed) -> CompressSummary:
-    """lm-eval, serving and samples of the compressed model, the quality verdict, signature, version, summary."""
+    """lm-eval, general held-out set, serving and samples of the compressed model, the quality verdict, signature,
+    version, summary."""
     config, rt, ev = run.config, run.config.runtime, run.config.evaluation
-    final_eval = evaluate(model, ev.tasks, ev.include_path, tasks_digest(ev.include_path), ev.limit, rt)
+    final_eval = evaluate(model, ev.tasks, ev.include_path, tasks_digest(ev.include_path, ev.tasks), ev.limit, rt)
+    general = general_eval(model, rt, reference=run.source.model)
     serving = log_serving(run.run_id, compare_serving(dense.serving, measure_serving(model, run.calib, config.serving,
                                                                                       rt)))
-    samples = log_samples(run.run_id, records.sample_rows(ev.prompts, dense.samples,
-                                                          generate_samples(model, ev.prompts, ev.new_tokens, rt)))
-    verdict = records.quality_verdict(ev, records.heldout(history[-1]))
+    continuations = generate_samples(model, ev.prompts, ev.new_tokens, rt)
+    samples = log_samples(run.run_id, records.sample_rows(ev.prompts, dense.samples.texts, continuations.texts))
+    figures = records.model_figures(general, continuations, dense.samples)  # what the verdict reads beside KL
+    verdict = records.quality_verdict(ev, {**records.heldout(history[-1]), **figures})
     provenance = eval_provenance(model, run.calib, final_eval, dense.lm_eval)
     log_eval_provenance(run.run_id, provenance)
     budget_tags = log_budget(run.run_id, budget, model, run.source.model.num_params)
     signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3
     version = register_model(config.registered_model_name, model, run.run_id, {
         **records.version_tags(config, run.lineage, model, run.run_id, signature, provenance), **budget_tags,
-        **serving, **records.verdict_tags(verdict)})
+        **serving, **records.verdict_tags(verdict, general.heldout)})
     stage(f"registered {config.registered_model_name} version {version}: {verdict['verdict']}")
     exports = export_stage(config, version, model, run.source.model, run.run_id, run.calib)  # optional: GGUF
     memory = records.memory_figures(run.memory, run.source.model.num_params,  # the whole run's peak, export included
                                     placement_for(run.source.model, rt).dtype)
     summary = records.summary(run, version, model, history, dense, final_eval.results, resumed,
-                              records.Judgement(verdict=verdict, samples=samples, memory=memory))
+                              records.Judgement(verdict=verdict, samples=samples, memory=memory, figures=figures,
+                                                general_set=general.heldout))
     summary.exports = exports
     log_final(run.run_id, records.final_metrics(run.source.model.num_params, model, history, dense, final_eval.results,
-                                                memory), summary.model_dump())
+                                                memory, figures), summary.model_dump())
     if run.out_dir:
         export(model, Path(run.out_dir), summary, run.overwrite)
     return summary

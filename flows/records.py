@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
@@ -26,8 +26,12 @@ from infra.tags import (
     MLFLOW_RUN_ID,
     MODEL_FINGERPRINT,
     PREFECT_FLOW_RUN_ID,
+    QUALITY_FIGURE,
+    QUALITY_GENERAL_SET_SHA256,
+    QUALITY_GENERAL_SET_TOKENS,
     QUALITY_MAX_KL,
     QUALITY_MAX_PPL_RATIO,
+    QUALITY_MIN_DISTINCT_RATIO,
     QUALITY_REASONS,
     QUALITY_VERDICT,
     RATIO,
@@ -47,6 +51,7 @@ from infra.tags import (
     WORDLIST_HASH,
 )
 from infra.version import code_digest, git_sha
+from pip_core.repetition import ngram_name
 from tasks.refs import CalibrationRef, ModelRef, PrunePlan, SignatureRef, SourceRef, StatsRef
 
 
@@ -71,6 +76,8 @@ class CompressSummary(BaseModel):
     tasks_origin: str | None = None
     #: quality gate on the held-out figures: {"verdict": "usable" | "not usable" | "not measured", "reasons": [...]}
     quality: dict[str, Any] = {}
+    #: the general held-out set the verdict reads (infra.eval_kit): source, sha256, windows, tokens, max_length
+    general_set: dict[str, Any] = {}
     #: fixed prompts with the dense and the compressed model's greedy continuations
     samples: list[dict[str, str]] = []
     #: the process's peak resident memory over the run, and over the weights in the run's dtype
@@ -106,7 +113,12 @@ class DenseFigures:
     heldout: dict[str, float]
     lm_eval: Any  # tasks.evaluation.EvalResult
     serving: dict
-    samples: list[str]
+    samples: Any  # tasks.samples.Samples
+    general: Any = None  # tasks.evaluation.GeneralFigures
+
+    def figures(self) -> dict[str, float]:
+        """Its general-set and repetition figures (`model_figures`)."""
+        return model_figures(self.general, self.samples)
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,9 @@ class Judgement:
     verdict: dict[str, Any]
     samples: list[dict[str, str]]
     memory: dict[str, float]
+    #: the compressed model's general-set and repetition figures (`model_figures`), and the general set's record
+    figures: dict[str, float] = field(default_factory=dict)
+    general_set: dict[str, Any] = field(default_factory=dict)
 
 
 def run_key_for(config: CompressConfig, source_fingerprint: str, calibration_hash: str, wordlist_hash: str) -> str:
@@ -207,8 +222,10 @@ def flatten_eval(prefix: str, results: dict[str, dict[str, float]]) -> dict[str,
 
 
 def final_metrics(total: int, model: ModelRef, history: list[dict], dense: DenseFigures, final_eval: dict,
-                  memory: dict[str, float]) -> dict[str, float]:
-    before, after = heldout(history[0]), heldout(history[-1])
+                  memory: dict[str, float], figures: dict[str, float] | None = None) -> dict[str, float]:
+    """The run's closing MLflow metrics; `figures`: the compressed model's general-set and repetition figures."""
+    before = {**heldout(history[0]), **dense.figures()}
+    after = {**heldout(history[-1]), **(figures or {})}
     return {**flatten_eval("source", dense.lm_eval.results), **flatten_eval("final", final_eval),
             **{f"source.{k}": v for k, v in before.items()}, **{f"final.{k}": v for k, v in after.items()},
             "final.num_params": float(model.num_params), "source.num_params": float(total),
@@ -250,31 +267,59 @@ def sample_rows(prompts: tuple[str, ...], dense: list[str], compressed: list[str
     return [{"prompt": p, "dense": d, "compressed": c} for p, d, c in zip(prompts, dense, compressed, strict=True)]
 
 
+def model_figures(general: Any, samples: Any, dense_samples: Any = None) -> dict[str, float]:
+    """One model's figures beside the held-out ones: the general set's (tasks.evaluation.GeneralFigures) and the
+    share of distinct tokens of its continuations (tasks.samples.Samples), over the dense model's (`dense_samples`;
+    None: this is the dense model)."""
+    out = dict(general.metrics) if general is not None else {}
+    if samples is not None and samples.distinct is not None:
+        dense = dense_samples.distinct if dense_samples is not None else samples.distinct
+        out["samples_distinct"] = samples.distinct
+        if dense:
+            out["samples_distinct_ratio"] = samples.distinct / dense
+    return out
+
+
 def quality_verdict(gate: EvaluationSettings, after: dict[str, float]) -> dict[str, Any]:
-    """Usable or not, by the configured bounds on held-out KL and perplexity ratio to the dense model.
+    """Usable or not, by the configured bounds: KL to the dense model on the calibration source's held-out texts,
+    perplexity ratio to it on the general held-out set (on the held-out texts when there is none: a GGUF export
+    measures one file), and the share of distinct tokens in the greedy continuations over the dense model's.
 
     Said in words on the summary, tagged on the version, and a `not usable` version is refused
-    promotion: a compressed model that no longer models the language is never registered silently.
+    promotion: a compressed model that no longer models the language, or loops, is never registered silently.
+    A bound whose figure is missing is listed as not measured; the verdict is `not measured` only when no
+    bounded figure was.
     """
-    bounds = {"heldout_kl": (gate.max_kl, "KL to the dense model", "nats/token"),
-              "heldout_ppl_ratio": (gate.max_ppl_ratio, "perplexity ratio to the dense model", "x")}
-    reasons, unmeasured = [], []
-    for metric, (bound, what, unit) in bounds.items():
+    bounds = ((("heldout_kl",), gate.max_kl, "KL to the dense model", "nats/token", True),
+              (("general_ppl_ratio", "heldout_ppl_ratio"), gate.max_ppl_ratio, "perplexity ratio to the dense model",
+               "x", True),
+              (("samples_distinct_ratio",), gate.min_distinct_ratio,
+               f"share of distinct {ngram_name()} in the continuations over the dense model's", "x", False))
+    reasons, unmeasured, judged = [], [], {}
+    for metrics, bound, what, unit, upper in bounds:
         if bound is None:
             continue
-        value = after.get(metric)
-        if value is None or not math.isfinite(value):
-            unmeasured.append(f"{what} not measured (no held-out texts)")
-        elif value > bound:
-            reasons.append(f"{what} {value:.3g} {unit} exceeds {bound:g}")
-    verdict = "not usable" if reasons else ("not measured" if unmeasured else "usable")
-    return {"verdict": verdict, "reasons": reasons + unmeasured, "max_kl": gate.max_kl,
-            "max_ppl_ratio": gate.max_ppl_ratio}
+        metric = next((m for m in metrics if isinstance(after.get(m), float | int) and math.isfinite(after[m])), None)
+        if metric is None:
+            unmeasured.append(f"{what} not measured")
+            continue
+        value = judged[metric] = float(after[metric])
+        if (value > bound) if upper else (value < bound):
+            reasons.append(f"{what} {value:.3g} {unit} {'exceeds' if upper else 'is below'} {bound:g}")
+    verdict = "not usable" if reasons else ("not measured" if unmeasured and not judged else "usable")
+    return {"verdict": verdict, "reasons": reasons + (unmeasured if verdict == "not measured" else []),
+            "not_measured": unmeasured, "figures": judged, "max_kl": gate.max_kl,
+            "max_ppl_ratio": gate.max_ppl_ratio, "min_distinct_ratio": gate.min_distinct_ratio}
 
 
-def verdict_tags(verdict: dict[str, Any]) -> dict[str, str]:
+def verdict_tags(verdict: dict[str, Any], general_set: dict[str, Any] | None = None) -> dict[str, str]:
+    """The verdict, its bounds, the figures it read and the general held-out set, as version tags."""
+    figures = {QUALITY_FIGURE.format(metric=k): f"{v:.6g}" for k, v in verdict.get("figures", {}).items()}
+    held = {QUALITY_GENERAL_SET_SHA256: general_set["sha256"], QUALITY_GENERAL_SET_TOKENS: str(general_set["tokens"])} \
+        if general_set else {}
     return {QUALITY_VERDICT: verdict["verdict"], QUALITY_REASONS: "; ".join(verdict["reasons"]),
-            QUALITY_MAX_KL: str(verdict["max_kl"]), QUALITY_MAX_PPL_RATIO: str(verdict["max_ppl_ratio"])}
+            QUALITY_MAX_KL: str(verdict["max_kl"]), QUALITY_MAX_PPL_RATIO: str(verdict["max_ppl_ratio"]),
+            QUALITY_MIN_DISTINCT_RATIO: str(verdict.get("min_distinct_ratio")), **figures, **held}
 
 
 def memory_figures(watch: MemoryWatch, num_params: int, dtype: str) -> dict[str, float]:
@@ -316,10 +361,11 @@ def summary(run: RunContext, version: str, model: ModelRef, history: list[dict],
         run_key=run.run_key, mlflow_run_id=run.run_id, registered_model=run.config.registered_model_name,
         model_version=version, s3_uri=model.s3_uri or "", out_dir=run.out_dir, params_before=total,
         params_after=model.num_params, achieved_ratio=removed_fraction(total, model.num_params),
-        metrics_before={**heldout(history[0]), **flatten_eval("eval", dense.lm_eval.results)},
-        metrics_after={**heldout(history[-1]), **flatten_eval("eval", final_eval)}, iterations_resumed=resumed.steps,
+        metrics_before={**heldout(history[0]), **dense.figures(), **flatten_eval("eval", dense.lm_eval.results)},
+        metrics_after={**heldout(history[-1]), **judgement.figures, **flatten_eval("eval", final_eval)},
+        iterations_resumed=resumed.steps,
         metrics_before_recovery=resumed.pre_recovery, tasks=list(ev.tasks), tasks_origin=ev.tasks_origin,
-        quality=judgement.verdict, samples=judgement.samples,
+        quality=judgement.verdict, general_set=judgement.general_set, samples=judgement.samples,
         peak_rss_bytes=int(judgement.memory["run.peak_rss_bytes"]),
         peak_rss_over_weights=judgement.memory["run.peak_rss_over_weights"],
         baseline_rss_bytes=int(judgement.memory["run.baseline_rss_bytes"]),

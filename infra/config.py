@@ -118,20 +118,32 @@ class ScoringSettings(_Group):
 
 
 class EvaluationSettings(_Group):
-    """The final lm-eval evaluation of the source and the pruned model."""
+    """How the source and the pruned model are measured (general held-out set, lm-eval, continuations) and the
+    quality gate on those figures."""
 
     tasks: tuple[str, ...] = Field((), description="lm-eval task names, comma separated")
     include_path: str | None = Field(None, description="directory of local lm-eval task YAMLs")
     limit: int | None = Field(None, ge=1, description="examples per lm-eval task (default: all)")
     tasks_origin: str | None = Field(None, description="why these tasks run (set by the CLI when it picks them)")
     prompts: tuple[str, ...] = Field(
-        ("The capital of France is", "To make a cup of tea, first", "The old man looked out of the window and"),
-        description="prompts whose greedy continuations by the dense and the compressed model the summary shows")
-    new_tokens: int = Field(24, ge=0, le=4096, description="tokens generated per prompt (0: no continuations)")
-    max_kl: float | None = Field(1.0, ge=0, description="quality gate: held-out KL to the dense model (nats per "
-                                 "token) above which the output is marked not usable and promotion is refused")
-    max_ppl_ratio: float | None = Field(2.0, ge=1, description="quality gate: held-out perplexity ratio to the dense "
-                                        "model above which the output is marked not usable")
+        ("The capital of France is", "To make a cup of tea, first", "The old man looked out of the window and",
+         "Once upon a time, in a small village,", "The most important thing to remember about science is",
+         "My favourite season of the year is", "The recipe for bread is simple:", "The history of the Roman Empire"),
+        description="prompts whose greedy continuations by the dense and the compressed model the summary shows "
+                    "and the repetition bound reads (more prompts: less chance in which ones loop)")
+    new_tokens: int = Field(64, ge=0, le=4096, description="tokens generated per prompt (0: no continuations, and no "
+                            "repetition bound); 24 is too few for a loop to show")
+    max_kl: float | None = Field(1.0, ge=0, description="quality gate: KL to the dense model (nats per token) on the "
+                                 "calibration source's held-out texts above which the output is marked not usable "
+                                 "and promotion is refused")
+    max_ppl_ratio: float | None = Field(2.0, ge=1, description="quality gate: perplexity ratio to the dense model on "
+                                        "the general held-out set (infra.eval_kit) above which the output is marked "
+                                        "not usable")
+    min_distinct_ratio: float | None = Field(0.75, ge=0, le=1, description="quality gate: share of distinct tokens "
+                                             "in the compressed model's greedy continuations over the dense model's, "
+                                             "below which the output is marked not usable (it loops; on SmolLM2-135M "
+                                             "an enumeration loop on every prompt is at 0.68, another wording of the "
+                                             "prompts at 0.82, pip_core.repetition)")
 
     @field_validator("tasks", mode="before")
     @classmethod

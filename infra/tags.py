@@ -61,6 +61,11 @@ QUALITY_VERDICT = "pipprune.quality.verdict"
 QUALITY_REASONS = "pipprune.quality.reasons"
 QUALITY_MAX_KL = "pipprune.quality.max_kl"
 QUALITY_MAX_PPL_RATIO = "pipprune.quality.max_ppl_ratio"
+QUALITY_MIN_DISTINCT_RATIO = "pipprune.quality.min_distinct_ratio"
+#: each figure the verdict read (format with metric=, e.g. general_ppl_ratio), and the general held-out set it read
+QUALITY_FIGURE = "pipprune.quality.figure.{metric}"
+QUALITY_GENERAL_SET_SHA256 = "pipprune.quality.general_set_sha256"
+QUALITY_GENERAL_SET_TOKENS = "pipprune.quality.general_set_tokens"
 
 # the OpenSSF model signature of the final checkpoint
 SIGNATURE_URI = "pipprune.signature_uri"

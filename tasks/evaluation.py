@@ -1,8 +1,11 @@
-"""quick_eval (held-out perplexity after each step) and evaluate (lm-eval, the same code as `pipprune eval`)."""
+"""quick_eval (held-out perplexity after each step), general_eval (the evaluation kit's general held-out set: what
+the verdict reads) and evaluate (lm-eval, the same code as `pipprune eval`)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 
 from prefect import task
@@ -10,10 +13,13 @@ from pydantic import BaseModel, ConfigDict
 
 from infra import eval_provenance as provenance
 from infra.config import RuntimeSettings
+from infra.eval_kit import KIT_TASKS, MAX_LENGTH, GeneralSet, eval_kit, kit_tasks_dir
+from infra.eval_kit import recipe as kit_recipe
 from infra.hashing import sha256_file, tree_digest
 from pip_core import io as core_io
 from pip_core.divergence import CachedDense, divergence
 from pip_core.perplexity import perplexity
+from pip_core.token_figures import TokenFigures, token_figures
 from tasks._common import content_key, key_from
 from tasks.calibration import read_heldout
 from tasks.models import ensure_local, load_model
@@ -73,6 +79,71 @@ def dense_logprobs(reference: ModelRef, tokenizer, texts: list[str], max_length:
     return CachedDense.build(net, tokenizer, texts, max_length, folder)
 
 
+class GeneralFigures(BaseModel):
+    """A model's figures on the evaluation kit's general held-out set, and that set's record (what, sha256, tokens).
+
+    `metrics`: general_perplexity, general_nll, general_tokens, and against the dense model general_ppl_ratio and
+    general_top1_agreement (1.0 for the dense model itself).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    metrics: dict[str, float]
+    heldout: dict
+
+
+def _general_key(context, parameters: dict) -> str:  # noqa: ANN001 - prefect's TaskRunContext
+    """The usual content key plus the kit's recipe: a rebuilt kit is another held-out set."""
+    return content_key(key_from("model", "runtime", "reference")(context, parameters), kit_recipe())
+
+
+@task(name="general-eval", cache_key_fn=_general_key, persist_result=True, result_serializer="json")
+def general_eval(model: ModelRef, runtime: RuntimeSettings = RuntimeSettings(),
+                 reference: ModelRef | None = None) -> GeneralFigures:
+    """Perplexity on the general held-out set (infra.eval_kit: at least 30k tokens of a novel no reference model
+    saw); against `reference` (the dense model) the perplexity ratio and top-1 agreement, read from the dense
+    model's per-token NLL and argmax on disk. `reference` None or `model` itself: the dense model, measured and
+    its per-token figures written while it is the model in hand."""
+    started = time.perf_counter()
+    net, tokenizer = load_model(model, runtime, keep_slot=True)
+    general = eval_kit().general_set(tokenizer, min(MAX_LENGTH, getattr(net.config, "max_position_embeddings",
+                                                                          MAX_LENGTH)))
+    windows = general.encode(tokenizer)
+    if reference is None or reference.fingerprint == model.fingerprint:
+        own = dense_token_figures(model, general, windows, net, runtime)
+        figures = own.against(own)
+    else:
+        figures = token_figures(net, windows).against(dense_token_figures(reference, general, windows, None, runtime))
+    metrics = {f"general_{k}": v for k, v in figures.items()}
+    log.info("general held-out set (%d tokens): perplexity %.3f, ratio to dense %.3f, top-1 agreement %.3f (%.0f s)",
+             general.tokens, metrics["general_perplexity"], metrics["general_ppl_ratio"],
+             metrics["general_top1_agreement"], time.perf_counter() - started)
+    return GeneralFigures(metrics=metrics, heldout=general.record())
+
+
+def dense_token_figures(reference: ModelRef, general: GeneralSet, windows: list[list[int]], net=None,  # noqa: ANN001
+                        runtime: RuntimeSettings | None = None) -> TokenFigures:
+    """The dense model's NLL and argmax per token of the general set, on disk by content (model, token ids).
+
+    `net`: the dense model when it is in hand; else it is read for this once (a resumed run, a cleared cache)
+    and dropped. The file is a few hundred KB, written whole (rename) or not at all.
+    """
+    from infra.settings import Settings
+
+    key = content_key(reference.fingerprint, general.sha256, windows)
+    path = Settings().work_dir / "general-tokens" / f"{key[:32]}.pt"
+    if path.is_file():
+        return TokenFigures.load(path)
+    if net is None:
+        net, _ = load_model(reference, runtime, transient=True)
+    figures = token_figures(net, windows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    figures.save(tmp)
+    os.replace(tmp, path)
+    return figures
+
+
 def reference_divergence(model_dir: Path, reference_dir: Path, heldout: Path | None,
                          max_length: int = 256, device: str | None = None) -> dict[str, float]:
     """`pipprune eval --reference`: KL etc. to the dense model with 95% document-bootstrap intervals."""
@@ -100,9 +171,12 @@ def reference_divergence(model_dir: Path, reference_dir: Path, heldout: Path | N
 
 
 
-def tasks_digest(include_path: str | None) -> str | None:
-    """Content of the task definitions, so editing a local task invalidates cached evaluations."""
-    return tree_digest(Path(include_path)) if include_path else None
+def tasks_digest(include_path: str | None, tasks: tuple[str, ...] = ()) -> str | None:
+    """Content of the task definitions, so editing a local task invalidates cached evaluations; the evaluation
+    kit's tasks (no include path) are named by the kit's recipe."""
+    if include_path:
+        return tree_digest(Path(include_path))
+    return f"eval-kit:{kit_recipe()}" if set(tasks) & set(KIT_TASKS) else None
 
 
 class EvalResult(BaseModel):
@@ -119,11 +193,17 @@ class EvalResult(BaseModel):
 def evaluate(model: ModelRef, tasks: tuple[str, ...], include_path: str | None, tasks_content: str | None,
              limit: int | None,
              runtime: RuntimeSettings = RuntimeSettings()) -> EvalResult:
-    """Run lm-eval tasks on the model directory, exactly as `pipprune eval` does, recording what produced them."""
+    """Run lm-eval tasks on the model directory, exactly as `pipprune eval` does, recording what produced them.
+
+    With no `include_path`, the evaluation kit's task names (infra.eval_kit.KIT_TASKS, the WordNet cloze a run gets
+    by default) are found in the kit's folder, built on first use.
+    """
     from infra.lmeval import run_lmeval_recorded
 
     if not tasks:
         return EvalResult(results={})
+    if not include_path and (kit := kit_tasks_dir(tasks)) is not None:
+        include_path = str(kit)
     net, tokenizer = load_model(model, runtime, keep_slot=True)
     results, provenance = run_lmeval_recorded(ensure_local(model), list(tasks),
                                               include_path=Path(include_path) if include_path else None, limit=limit,

@@ -93,5 +93,5 @@ def test_quality_verdict_names_what_failed():
     bad = quality_verdict(gate, {"heldout_kl": 2.95, "heldout_ppl_ratio": 16.5})
     assert bad["verdict"] == "not usable" and len(bad["reasons"]) == 2 and "2.95" in bad["reasons"][0]
     assert quality_verdict(gate, {})["verdict"] == "not measured"
-    off = EvaluationSettings(max_kl=None, max_ppl_ratio=None)
+    off = EvaluationSettings(max_kl=None, max_ppl_ratio=None, min_distinct_ratio=None)
     assert quality_verdict(off, {"heldout_kl": 9.0})["verdict"] == "usable"

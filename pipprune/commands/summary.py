@@ -21,6 +21,7 @@ def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> No
         b, a = summary.metrics_before.get(key), summary.metrics_after.get(key)
         table.add_row(key, "" if b is None else f"{b:.4g}", "" if a is None else f"{a:.4g}")
     console.print(table)
+    _print_general_set(console, summary.general_set)
     console.print(f"lm-eval tasks: {', '.join(summary.tasks) or 'none'} ({summary.tasks_origin or 'as given'})")
     if summary.samples:
         samples = Table(title="greedy continuations", show_lines=True)
@@ -29,6 +30,7 @@ def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> No
         for row in summary.samples:
             samples.add_row(row["prompt"], row["dense"].strip(), row["compressed"].strip())
         console.print(samples)
+    _print_repetition(console, summary.metrics_before, summary.metrics_after)
     _print_verdict(console, summary.quality)
     if summary.peak_rss_bytes:
         own = (f"; {summary.run_memory_over_weights:.2f}x above the {summary.baseline_rss_bytes / 2**30:.2f} GiB "
@@ -49,11 +51,33 @@ def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> No
         console.print(f"Model copied to: {summary.out_dir}")
 
 
+def _print_general_set(console: Any, general: dict) -> None:  # rich Console
+    """What the general_* rows were measured on: the verdict's perplexity ratio reads them."""
+    if general:
+        console.print(f"general held-out set (general_* rows): {general['source']}; {general['tokens']:,} tokens in "
+                      f"{general['windows']} windows of at most {general['max_length']} tokens; sha256 "
+                      f"{general['sha256'][:16]}")
+
+
+def _print_repetition(console: Any, before: dict, after: dict) -> None:  # rich Console
+    from pip_core.repetition import ngram_name
+
+    dense, compressed = before.get("samples_distinct"), after.get("samples_distinct")
+    if dense is not None and compressed is not None:
+        console.print(f"repetition: share of distinct {ngram_name()} in the continuations: dense {dense:.3f}, "
+                      f"compressed {compressed:.3f} (x{after.get('samples_distinct_ratio', float('nan')):.2f})")
+
+
 def _print_verdict(console: Any, quality: dict) -> None:  # rich Console
     verdict = quality.get("verdict")
     if verdict is None:
         return
-    gate = f"(gate: KL <= {quality.get('max_kl')}, perplexity ratio <= {quality.get('max_ppl_ratio')})"
+    bounds = [f"KL <= {quality.get('max_kl')}", f"perplexity ratio <= {quality.get('max_ppl_ratio')}"
+              + (" (general held-out set)" if "general_ppl_ratio" in quality.get("figures", {}) else "")]
+    if "min_distinct_ratio" in quality:
+        bounds.append(f"distinct-token ratio >= {quality['min_distinct_ratio']}")
+    unmeasured = "; ".join(quality.get("not_measured") or [])
+    gate = f"(gate: {', '.join(bounds)}{'; ' + unmeasured if unmeasured and verdict == 'usable' else ''})"
     if verdict == "usable":
         console.print(f"[bold green]verdict: usable[/] {gate}")
         return
