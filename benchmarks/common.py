@@ -37,7 +37,7 @@ def calibration_pairs(model_dir: Path, n: int, seed: int, rate: float | None = N
     """
     from infra.calibration import draw_sources, load_calibration
     from pip_core.perturb import Perturber
-    from pip_core.self_calibration import model_word_list, sampled_texts
+    from pip_core.self_calibration import SamplingOptions, model_word_list, sampled_texts
     from pip_core.wordlist import WordList
 
     if source == "corpus":
@@ -45,8 +45,8 @@ def calibration_pairs(model_dir: Path, n: int, seed: int, rate: float | None = N
         words = WordList.from_file(model_dir_layout(model_dir).wordlist)
     else:
         spec = "self" if source == "self" else f"self:0.5,{model_dir}:0.5"
-        rows, words = draw_sources(spec, n, seed, lambda count: sampled_texts(model, tokenizer, count, 128, seed,
-                                                                             progress=False),
+        rows, words = draw_sources(spec, n, seed, lambda count: sampled_texts(model, tokenizer, SamplingOptions(
+                                       n=count, seed=seed, progress=False)),
                                    lambda texts: model_word_list(model, tokenizer, texts))
         texts = [r["text"] for r in rows]
     result = Perturber(words, seed=seed, **({} if rate is None else {"rate": rate})).perturb_many(texts)

@@ -172,7 +172,7 @@ def compare(args: argparse.Namespace) -> None:
     from benchmarks.divergence import heldout_texts
     from pip_core import io, schedule
     from pip_core.importance import CalibrationData
-    from pip_core.self_calibration import sampled_texts
+    from pip_core.self_calibration import SamplingOptions, sampled_texts
 
     seeds, steps_list, variants = [int(s) for s in args.seeds.split(",")], budgets(args.steps), chosen(args.variants)
     config = _resume_config(args)
@@ -186,7 +186,7 @@ def compare(args: argparse.Namespace) -> None:
                                schedule.ScoringOptions(args.method, args.unit), args.ratio, args.iterations, progress=False)
     sets = {name: heldout_texts(args.model, name) for name in args.heldout.split(",")}
     if args.calibration == "self":  # distillation on the dense model's own texts, as --calibration self trains
-        train = sampled_texts(dense, tok, args.train_texts, args.max_length, seed=1)
+        train = sampled_texts(dense, tok, SamplingOptions(n=args.train_texts, new_tokens=args.max_length, seed=1))
     else:
         train = [json.loads(line)["text"] for line in open(model_dir_layout(args.model).calibration)]
     held = {t for texts_, _ in sets.values() for t in texts_}

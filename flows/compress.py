@@ -20,9 +20,10 @@ from flows.records import CompressSummary
 from infra.config import CompressConfig
 from infra.locks import run_lock
 from infra.memory import MemoryWatch
-from infra.progress import StepProgress, stage
+from infra.progress import StageClock, StepProgress, stage
 from infra.settings import Settings
 from pip_core.schedule import plan, step_spec
+from pip_core.vocabulary import PERTURBATION_METHODS
 from tasks.budget import aligned, log_budget, plan_budget
 from tasks.calibration import prepare_calibration, resolve_calibration
 from tasks.evaluation import eval_provenance, evaluate, general_eval, quick_eval, tasks_digest
@@ -56,25 +57,37 @@ run_key_for = records.run_key_for
 def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite: bool = False) -> CompressSummary:
     """Prune `config.model` by `config.ratio` in re-scored steps; track, checkpoint, evaluate, register."""
     memory = MemoryWatch.start()  # before any model is read: the baseline the run's own memory is measured from
-    # 1. inputs: the source model and the calibration pairs, both content-addressed
+    clock = StageClock()
+    # 1. inputs: the source model and the calibration texts, both content-addressed; pairs only for a method that
+    # perturbs, recovery texts (apart from the scored ones) only when recovery is on
     source = resolve_source(config.model)
     check_export(config, source.model)  # export: a model GGUF cannot express is refused before any work
     budget = plan_budget(config, source)  # the target as a removal ratio and aligned widths, from config.json alone
-    texts = resolve_calibration(config.calibration, config.seed, source.model, config.runtime)  # self, mixes: drawn
-    calib = prepare_calibration(texts, config.seed)
+    clock.lap("inputs")
+    perturb = config.scoring.method in PERTURBATION_METHODS
+    texts = resolve_calibration(config.calibration, config.seed, source.model, config.runtime, perturb=perturb,
+                                recovery_texts=config.calibration.recovery_samples if config.recovery.enabled else 0)
+    clock.lap("calibration texts")
+    calib = prepare_calibration(texts, config.seed, perturb=perturb)
+    clock.lap("calibration sets")
     run_key = records.run_key_for(config, source.model.fingerprint, calib.data_hash, calib.wordlist_hash)
     lineage = records.lineage_tags(config, run_key, source, calib, str(flow_run.id))
-    stage(f"inputs: {config.model}: {source.model.num_params:,} parameters; {calib.n_pairs} calibration pairs")
+    stage(f"inputs: {config.model}: {source.model.num_params:,} parameters; {calib.n_texts} calibration texts"
+          + (f" ({calib.n_pairs} perturbed pairs)" if calib.n_pairs else "")
+          + (f", {calib.n_recovery} recovery texts" if calib.n_recovery else ""))
     with run_lock(Settings(), run_key), tracking_run(run_key, records.run_params(config, calib), lineage) as run_id:
         log_datasets(run_id, calib)
-        run = records.RunContext(config, run_key, run_id, lineage, source, calib, memory, out_dir, overwrite)
+        run = records.RunContext(config, run_key, run_id, lineage, source, calib, memory, out_dir, overwrite, clock)
         # 2. the dense model, measured once while it is the model in hand (no copy of it is kept beside the pruned)
         dense = _measure_dense(run)
+        clock.lap("dense model measured")
         # 3. prune in re-scored steps; each is checkpointed to S3, and a rerun resumes after the last one
         model, history, done = _prune_steps(run, budget, dense.heldout)
+        clock.lap("pruning steps")
         # 4. optional recovery (LoRA or KD), checkpointed as step N+1
         pre_recovery = records.heldout(history[-1]) if config.recovery.enabled else None
         model = _recovery_stage(run, model, done, history)
+        clock.lap("recovery")
         # 5. the compressed model measured as the dense one was, judged, signed, registered
         return _finish(run, model, budget, dense, history, records.Resumed(len(done), pre_recovery))
 

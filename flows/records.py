@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from infra.config import CompressConfig, EvaluationSettings
 from infra.memory import MemoryWatch
+from infra.progress import StageClock
 from infra.tags import (
     CALIBRATION_HASH,
     CODE_DIGEST,
@@ -83,6 +84,9 @@ class CompressSummary(BaseModel):
     #: the process's peak resident memory over the run, and over the weights in the run's dtype
     peak_rss_bytes: int | None = None
     peak_rss_over_weights: float | None = None
+    #: wall seconds of each stage of the run (inputs, calibration texts and sets, the dense model's figures, the
+    #: pruning steps, recovery, final): where a run's minutes went
+    stage_seconds: dict[str, float] = {}
     #: resident memory before any model was read (interpreter and libraries), and the peak less it over the weights
     baseline_rss_bytes: int | None = None
     run_memory_over_weights: float | None = None
@@ -104,6 +108,8 @@ class RunContext:
     #: where the final model is copied (None: nowhere), and whether a previous pipprune output there may be replaced
     out_dir: str | None = None
     overwrite: bool = False
+    #: wall seconds of each stage so far (the summary's `stage_seconds`)
+    clock: StageClock = field(default_factory=StageClock)
 
 
 @dataclass(frozen=True)
@@ -369,4 +375,12 @@ def summary(run: RunContext, version: str, model: ModelRef, history: list[dict],
         peak_rss_bytes=int(judgement.memory["run.peak_rss_bytes"]),
         peak_rss_over_weights=judgement.memory["run.peak_rss_over_weights"],
         baseline_rss_bytes=int(judgement.memory["run.baseline_rss_bytes"]),
-        run_memory_over_weights=judgement.memory["run.run_memory_over_weights"])
+        run_memory_over_weights=judgement.memory["run.run_memory_over_weights"],
+        stage_seconds=_final_lap(run.clock))
+
+
+def _final_lap(clock: StageClock) -> dict[str, float]:
+    """Every stage's wall seconds, the last ("final": the compressed model measured, judged, signed, registered)
+    ending now."""
+    clock.lap("final")
+    return dict(clock.seconds)

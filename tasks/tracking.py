@@ -231,5 +231,6 @@ def log_datasets(run_id: str, calib: CalibrationRef) -> dict[str, str]:
         client.set_tag(run_id, key, value)
     if Path(uri).resolve().is_relative_to(Settings().work_dir.resolve()):  # texts pipprune drew (self, a mix): kept
         client.log_artifact(run_id, uri, "calibration")
-        client.log_artifact(run_id, str(Path(uri).with_name("wordlist.txt")), "calibration")
+        if Path(uri).with_name("wordlist.txt").is_file():  # none when the method perturbs nothing
+            client.log_artifact(run_id, str(Path(uri).with_name("wordlist.txt")), "calibration")
     return tags
