@@ -400,9 +400,9 @@ def repair(pruned: nn.Module, dense: nn.Module, tokenizer: PreTrainedTokenizerBa
     options.check()
     family = _check_pair(pruned, dense)
     targets = lost_inputs(pruned, dense)
+    batches = _batches(tokenizer, texts, options)
     wants_bias = options.form == "bias" or options.fit_bias
     switched = _give_biases(pruned, family, {c.kind for c in targets}) if wants_bias else []
-    batches = _batches(tokenizer, texts, options)
     report = RepairReport(form=options.form, tokens=sum(int(b.mask.sum()) for b in batches), bias_switches=switched)
     if not targets:
         return report
