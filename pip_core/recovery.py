@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
+from pip_core.distill import TeacherOutputs, kd_loss, teacher_outputs
 from pip_core.errors import CalibrationError, PipCoreError
 from pip_core.units import check_supported
 from pip_core.vocabulary import KD_PARAMS
@@ -61,13 +63,23 @@ def _texts(texts: Sequence[str]) -> list[str]:
     return texts
 
 
-def _batches(tokenizer, texts: list[str], steps: int, batch_size: int, max_length: int,  # noqa: ANN001
-             generator: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
-    """`steps` batches of texts drawn with replacement: the same draws (and tokens) for every recovery kind."""
-    for _ in range(steps):
-        picks = torch.randint(0, len(texts), (min(batch_size, len(texts)),), generator=generator).tolist()
+def _order(n_texts: int, steps: int, batch_size: int, seed: int) -> list[list[int]]:
+    """Each step's text indices: a fresh seeded permutation per pass over the texts, so every text is seen
+    once before any is seen twice (draws with replacement repeat some texts and never show others)."""
+    generator = torch.Generator().manual_seed(seed)
+    size = min(batch_size, n_texts)
+    picks: list[int] = []
+    while len(picks) < steps * size:
+        picks += torch.randperm(n_texts, generator=generator).tolist()
+    return [picks[i * size:(i + 1) * size] for i in range(steps)]
+
+
+def _batches(tokenizer: PreTrainedTokenizerBase, texts: list[str], order: list[list[int]],
+             max_length: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The batches of `order`, right-padded (the losses take a row's predicted positions from its mask)."""
+    for picks in order:
         yield tokenizer([texts[i] for i in picks], return_tensors="pt", truncation=True, max_length=max_length,
-                        padding=True)
+                        padding=True, padding_side="right")
 
 
 def _lora(model: nn.Module, rank: int) -> nn.Module:
@@ -96,13 +108,12 @@ def _train(trainable: nn.Module, loss_fn: Callable[[dict[str, torch.Tensor]], to
     return losses, tokens
 
 
-def recover_lora(model: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN001
+def recover_lora(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
                  options: RecoveryOptions = RecoveryOptions()) -> tuple[nn.Module, RecoveryReport]:
     """Train LoRA adapters on `texts` (LM loss) for `options.steps` steps, merge them, return (merged model, report)."""
     check_supported(model)
     texts, o = _texts(texts), options
     torch.manual_seed(o.seed)
-    generator = torch.Generator().manual_seed(o.seed)
     peft_model = _lora(model, o.rank)
 
     def lm_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -111,51 +122,72 @@ def recover_lora(model: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN
         return peft_model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
                           labels=labels.to(device)).loss
 
-    losses, tokens = _train(peft_model, lm_loss, _batches(tokenizer, texts, o.steps, o.batch_size, o.max_length, generator),
-                            o.lr, o.steps, "LoRA recovery", o.progress)
+    order = _order(len(texts), o.steps, o.batch_size, o.seed)
+    losses, tokens = _train(peft_model, lm_loss, _batches(tokenizer, texts, order, o.max_length), o.lr, o.steps,
+                            "LoRA recovery", o.progress)
     merged = peft_model.merge_and_unload()
     merged.eval()
     return merged, RecoveryReport(steps=o.steps, first_loss=losses[0], last_loss=losses[-1], losses=tuple(losses),
                                 tokens=tokens)
 
 
-def recover_kd(model: nn.Module, teacher: nn.Module, tokenizer, texts: Sequence[str],  # noqa: ANN001
-               options: RecoveryOptions = RecoveryOptions()) -> tuple[nn.Module, RecoveryReport]:
-    """Distil `teacher` (the dense model) into the pruned `model` on `texts`; returns (model, report).
+def kd_teacher_outputs(teacher: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
+                       options: RecoveryOptions = RecoveryOptions(), student: nn.Module | None = None) -> TeacherOutputs:
+    """The teacher's outputs on the texts `recover_kd` draws with these options and texts, each text run once.
+
+    A caller that owns the teacher computes these, drops the teacher and passes them to `recover_kd`:
+    only the LM head stays in memory through training, and not even that when `student` (the model
+    to be trained) is given, trains LoRA adapters only and has an equal head (`with_head_of`).
+    """
+    texts, o = _texts(texts), options
+    seen = sorted({i for picks in _order(len(texts), o.steps, o.batch_size, o.seed) for i in picks})
+    rows = tokenizer([texts[i] for i in seen], truncation=True, max_length=o.max_length)["input_ids"]
+    outputs = teacher_outputs(teacher, rows, o.batch_size)
+    return outputs.with_head_of(student) if student is not None and o.kd_params == "lora" else outputs
+
+
+def lora_params(model: nn.Module, rank: int) -> int:
+    """Parameters of the LoRA adapters `_lora` adds to `model` (rank x (in + out) per targeted linear)."""
+    return sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS)
+
+
+def recover_kd(model: nn.Module, teacher: nn.Module | TeacherOutputs, tokenizer: PreTrainedTokenizerBase,
+               texts: Sequence[str], options: RecoveryOptions = RecoveryOptions()) -> tuple[nn.Module, RecoveryReport]:
+    """Distil `teacher` (the dense model, or its `kd_teacher_outputs`) into the pruned `model` on `texts`.
 
     The loss is `pip_core.distill.kd_loss` (T^2 * KL(teacher_T || student_T) per token, chunked so no
-    model's logits exist for the whole sequence). `params="lora"` trains LoRA adapters and merges
-    them; `kd_params="full"` trains every weight of `model` in place. The teacher is never changed.
-    The batches are the same draws as `recover_lora` with the same seed (same token budget).
+    model's logits exist for the whole sequence), on the teacher's outputs computed once per text
+    before the first step (given a model, here; the same loss as running it on every batch).
+    `kd_params="lora"` trains LoRA adapters and merges them; `"full"` trains every weight of `model`
+    in place. The teacher is never changed. The batches are those of `recover_lora` with the same
+    seed (same token budget). Returns (model, report).
     """
-    from pip_core.distill import kd_loss
-
-    o, params = options, options.kd_params
-    if params not in KD_PARAMS:
-        raise PipCoreError(f"distillation params must be one of {KD_PARAMS}, got {params!r}")
+    o = options
+    if o.kd_params not in KD_PARAMS:
+        raise PipCoreError(f"distillation params must be one of {KD_PARAMS}, got {o.kd_params!r}")
     check_supported(model)
+    outputs = teacher if isinstance(teacher, TeacherOutputs) else kd_teacher_outputs(teacher, tokenizer, texts, o, model)
+    if o.kd_params == "full" and outputs.head is model.get_output_embeddings():
+        raise PipCoreError("teacher outputs share the student's LM head, which kd_params 'full' would train")
+
+    def loss(student: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return kd_loss(student, outputs, batch["input_ids"], batch["attention_mask"], o.temperature, o.chunk_tokens)
+
+    return _distil(model, loss, tokenizer, texts, o)
+
+
+def _distil(model: nn.Module, loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
+            tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], o: RecoveryOptions) -> tuple[nn.Module, RecoveryReport]:
+    """Train `model` (LoRA adapters merged back, or every weight) on `loss(model, batch)` over the recovery batches."""
     texts = _texts(texts)
     torch.manual_seed(o.seed)
-    generator = torch.Generator().manual_seed(o.seed)
-    trainable = _lora(model, o.rank) if params == "lora" else model
-    teacher_modes = [(p, p.requires_grad) for p in teacher.parameters()]
-    teacher_training = teacher.training
-    teacher.eval()
-    for p, _ in teacher_modes:
-        p.requires_grad_(False)
-
-    def loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # peft injects the adapters into `model`'s own modules, so `model` itself runs with them
-        return kd_loss(model, teacher, batch["input_ids"], batch["attention_mask"], o.temperature, o.chunk_tokens)
-
-    try:
-        losses, tokens = _train(trainable, loss, _batches(tokenizer, texts, o.steps, o.batch_size, o.max_length, generator),
-                                o.lr, o.steps, f"KD recovery ({params})", o.progress)
-    finally:
-        for p, flag in teacher_modes:
-            p.requires_grad_(flag)
-        teacher.train(teacher_training)
-    out = trainable.merge_and_unload() if params == "lora" else model
+    trainable = _lora(model, o.rank) if o.kd_params == "lora" else model
+    order = _order(len(texts), o.steps, o.batch_size, o.seed)
+    # peft injects the adapters into `model`'s own modules, so `model` itself runs with them
+    losses, tokens = _train(trainable, lambda batch: loss(model, batch), _batches(tokenizer, texts, order, o.max_length),
+                            o.lr, o.steps, f"KD recovery ({o.kd_params})", o.progress)
+    out = trainable.merge_and_unload() if o.kd_params == "lora" else model
     out.eval()
     return out, RecoveryReport(steps=o.steps, first_loss=losses[0], last_loss=losses[-1], losses=tuple(losses),
                                 tokens=tokens)

@@ -115,3 +115,105 @@ def test_kd_refuses_bad_settings(dense, tiny_reference_dir):
     with pytest.raises(ValidationError, match="temperature"):
         RecoverySettings(steps=5, kind="kd", temperature=0)
     assert RecoverySettings().kind == "lora"  # default: today's LoRA on the LM loss
+
+
+def _batch(tokenizer, texts: list[str], max_length: int = 48):
+    batch = tokenizer(texts, return_tensors="pt", truncation=True, max_length=max_length, padding=True,
+                      padding_side="right")
+    return batch["input_ids"], batch["attention_mask"]
+
+
+@pytest.mark.parametrize("temperature,chunk", [(1.0, 7), (2.5, 1000)])
+def test_cached_teacher_loss_and_gradient_equal_the_live_teacher_and_the_whole_logits(dense, tiny_reference_dir,
+                                                                                     temperature, chunk):
+    """Issue 47: the teacher's final hidden states computed once (in other batches, other padding) give the loss and
+    gradients of the teacher run on the batch, and of the whole-logits reference."""
+    from pip_core.distill import full_logits_kd_loss, kd_loss, teacher_outputs
+
+    teacher, tokenizer = dense
+    student = _pruned(teacher)
+    texts = [t[:n] for t, n in zip(_texts(tiny_reference_dir, 4), (60, 400, 150, 90), strict=True)]
+    ids, mask = _batch(tokenizer, texts)
+    assert (mask == 0).any()
+    rows = tokenizer(texts[::-1] + texts[:1], truncation=True, max_length=48)["input_ids"]  # other order, a repeat
+    cached = teacher_outputs(teacher, rows, batch_size=3)
+    assert len(cached.hidden) == 4 and cached.nbytes == int(mask.sum()) * teacher.config.hidden_size * 4
+
+    results = []
+    for source in (cached, teacher):
+        loss = kd_loss(student, source, ids, mask, temperature, chunk_tokens=chunk)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in student.named_parameters()}))
+        student.zero_grad(set_to_none=True)
+    ref = full_logits_kd_loss(student, teacher, ids, mask, temperature)
+    ref.backward()
+    for loss, grads in results:
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=0)
+        for name, p in student.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_teacher_outputs_refuse_a_text_they_were_not_computed_on_and_share_an_equal_head(dense, tiny_reference_dir):
+    from pip_core.distill import kd_loss, teacher_outputs
+    from pip_core.errors import PipCoreError
+
+    teacher, tokenizer = dense
+    texts = _texts(tiny_reference_dir, 3)
+    ids, mask = _batch(tokenizer, texts)
+    cached = teacher_outputs(teacher, tokenizer(texts[:2], truncation=True, max_length=48)["input_ids"])
+    with pytest.raises(PipCoreError, match="no cached teacher outputs for batch row 2"):
+        kd_loss(teacher, cached, ids, mask)
+    student = _pruned(teacher)  # blocks removed: the LM head is the teacher's, equal but another tensor
+    shared = cached.with_head_of(student)
+    assert shared.head is student.lm_head and cached.head is teacher.lm_head
+    changed = copy.deepcopy(student)
+    with torch.no_grad():
+        changed.lm_head.weight[0, 0] += 1.0
+    assert cached.with_head_of(changed).head is teacher.lm_head  # a head that differs is never shared
+    with torch.no_grad():
+        torch.testing.assert_close(kd_loss(student, shared, ids[:2], mask[:2]), kd_loss(student, teacher, ids[:2],
+                                                                                     mask[:2]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("params,lr", [("lora", 2e-3), ("full", 2e-4)])
+def test_recovery_on_cached_teacher_outputs_gives_the_weights_of_the_live_teacher(dense, tiny_reference_dir, params,
+                                                                                  lr):
+    """Same seed, same batches: KD on the teacher's outputs computed once ends at the weights of KD that runs the
+    teacher on every batch (the loop HEAD ran), within float tolerance; handing the outputs over is the same run."""
+    from pip_core.distill import kd_loss
+    from pip_core.recovery import RecoveryOptions, _distil, kd_teacher_outputs, recover_kd
+
+    teacher, tokenizer = dense
+    texts = _texts(tiny_reference_dir, 10)
+    options = RecoveryOptions(steps=6, kd_params=params, lr=lr, batch_size=4, max_length=48, seed=3, chunk_tokens=16,
+                              progress=False)
+
+    def live(model, batch):
+        return kd_loss(model, teacher, batch["input_ids"], batch["attention_mask"], options.temperature, 16)
+
+    ref, ref_report = _distil(_pruned(teacher), live, tokenizer, texts, options)
+    cached, report = recover_kd(_pruned(teacher), teacher, tokenizer, texts, options)
+    student = _pruned(teacher)
+    handed, handed_report = recover_kd(student, kd_teacher_outputs(teacher, tokenizer, texts, options, student),
+                                       tokenizer, texts, options)
+    assert report.tokens == ref_report.tokens and report.losses[0] == pytest.approx(ref_report.losses[0], rel=1e-5)
+    assert handed_report.losses == report.losses
+    reference = dict(ref.named_parameters())
+    for name, p in cached.named_parameters():
+        torch.testing.assert_close(p, reference[name], rtol=1e-4, atol=1e-6, msg=name)
+    for (name, p), q in zip(handed.named_parameters(), cached.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_batches_show_every_text_once_per_pass():
+    """With as many texts as steps x batch every text is seen once; with more steps, each text once per pass;
+    the order is the seed's."""
+    from pip_core.recovery import _order
+
+    once = _order(24, steps=6, batch_size=4, seed=0)
+    assert len(once) == 6 and all(len(b) == 4 for b in once)
+    assert sorted(i for b in once for i in b) == list(range(24))
+    twice = [i for b in _order(24, steps=12, batch_size=4, seed=0) for i in b]
+    assert sorted(twice[:24]) == sorted(twice[24:]) == list(range(24))
+    assert _order(24, 6, 4, seed=0) == once and _order(24, 6, 4, seed=1) != once
+    assert all(sorted(b) == [0, 1, 2] for b in _order(3, 2, 8, seed=0))  # a batch never holds more than the texts
