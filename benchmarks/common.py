@@ -36,6 +36,7 @@ def calibration_pairs(model_dir: Path, n: int, seed: int, rate: float | None = N
     `rate`: fraction of words the perturber edits (None: the Perturber's default, the product's 0.15).
     """
     from infra.calibration import draw_sources, load_calibration
+    from infra.calibration_spec import CalibrationSpec
     from pip_core.perturb import Perturber
     from pip_core.self_calibration import SamplingOptions, model_word_list, sampled_texts
     from pip_core.wordlist import WordList
@@ -44,7 +45,7 @@ def calibration_pairs(model_dir: Path, n: int, seed: int, rate: float | None = N
         texts = list(load_calibration(model_dir_layout(model_dir).calibration, n_samples=n, seed=seed)["text"])
         words = WordList.from_file(model_dir_layout(model_dir).wordlist)
     else:
-        spec = "self" if source == "self" else f"self:0.5,{model_dir}:0.5"
+        spec = CalibrationSpec.parse("self" if source == "self" else f"self:0.5,{model_dir}:0.5")
         rows, words = draw_sources(spec, n, seed, lambda count: sampled_texts(model, tokenizer, SamplingOptions(
                                        n=count, seed=seed, progress=False)),
                                    lambda texts: model_word_list(model, tokenizer, texts))

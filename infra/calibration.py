@@ -17,6 +17,7 @@ import pandas as pd
 import pandera.pandas as pa
 from datasets import Dataset
 
+from infra.calibration_spec import SELF, CalibrationSpec
 from infra.hashing import sha256_file
 from pip_core.errors import CalibrationError
 from pip_core.wordlist import WordList
@@ -117,33 +118,10 @@ def windows(texts: Iterable[str], words_per_window: int, n: int | None, seed: in
     return out
 
 
-#: the calibration source that is the model itself (pip_core.self_calibration)
-SELF = "self"
-
-
-def parse_sources(spec: str) -> list[tuple[str, float]]:
-    """`--calibration` as (source, weight) pairs, weights summing to 1: one source (a file, a reference model
-    directory, or `self`), or several mixed by weight, e.g. `self:0.5,calib.jsonl:0.5`."""
-    parts = []
-    for item in (p.strip() for p in spec.split(",")):
-        source, sep, weight = item.rpartition(":")
-        try:
-            value = float(weight) if sep else 1.0
-        except ValueError:  # a ':' that is part of the path
-            source, value = item, 1.0
-        source = source if sep and source else item
-        if not source or not value > 0 or value == float("inf"):
-            raise CalibrationDataError(f"calibration source {item!r} in {spec!r}: write SOURCE or SOURCE:WEIGHT with "
-                                       "a weight > 0, sources separated by commas")
-        parts.append((source, value))
-    total = sum(w for _, w in parts)
-    return [(source, weight / total) for source, weight in parts]
-
-
-def draw_sources(spec: str, total: int, seed: int, sample_self: Callable[[int], list[str]],
+def draw_sources(spec: CalibrationSpec, total: int, seed: int, sample_self: Callable[[int], list[str]],
                  self_words: Callable[[list[str]], WordList] | None = None,
                  wordlist: str | None = None) -> tuple[list[dict], WordList | None]:
-    """`total` calibration rows drawn from the sources of `spec` by weight (`parse_sources`), each row's `source`
+    """`total` calibration rows drawn from the sources of `spec` by weight, each row's `source`
     named, and the word list that decides the perturber's edits: `wordlist` when given, else the union of each
     source's own (`_own_words`; `self`'s runs the model, so it is built only here). With neither `wordlist` nor
     `self_words` no word list is wanted (a method that perturbs nothing): None in its place."""
@@ -158,9 +136,9 @@ def draw_sources(spec: str, total: int, seed: int, sample_self: Callable[[int], 
     return rows, functools.reduce(WordList.union, lists)
 
 
-def _draw_rows(spec: str, total: int, seed: int, sample_self: Callable[[int], list[str]]) -> list[dict]:
+def _draw_rows(spec: CalibrationSpec, total: int, seed: int, sample_self: Callable[[int], list[str]]) -> list[dict]:
     """Each source's weight's share of `total` texts (the last source the remainder), in the order of `spec`."""
-    sources = parse_sources(spec)
+    sources = spec.parts
     counts = [round(weight * total) for _, weight in sources]
     counts[-1] = max(1, total - sum(counts[:-1]))
     rows: list[dict] = []

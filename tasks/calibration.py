@@ -17,7 +17,8 @@ from prefect import task
 from prefect.context import TaskRunContext
 
 from infra import atomic
-from infra.calibration import SELF, CalibrationSource, calibration_hash, draw_sources, load_calibration
+from infra.calibration import CalibrationSource, calibration_hash, draw_sources, load_calibration
+from infra.calibration_spec import SELF
 from infra.config import CalibrationSettings, RuntimeSettings
 from infra.settings import Settings
 from pip_core.perturb import Perturber
@@ -38,7 +39,7 @@ def _mix_key(context: TaskRunContext, parameters: dict) -> str:
     and, when `self` is among the sources, the device and dtype the model samples on (its texts depend on them)."""
     settings = parameters["settings"]
     files = [CalibrationSource(source).digest() for source in settings.spec.files]
-    sampled = any(source == SELF for source, _ in settings.spec.parts)
+    sampled = SELF in dict(settings.spec.parts)
     sampler = _sampling_place(parameters["model"], parameters.get("runtime") or RuntimeSettings(),
                               settings.max_length) if sampled else None
     return key_from("settings", "seed", "model", "perturb", "recovery_texts", "files", "sampler")(
@@ -93,7 +94,7 @@ def resolve_calibration(settings: CalibrationSettings, seed: int, model: ModelRe
     if settings.spec.single_file:
         return asked  # one file or reference directory, read as it is
     total = settings.n_samples + settings.heldout_samples + recovery_texts
-    rows, words = draw_sources(settings.source, total, seed, _self_sampler(model, runtime, settings, seed),
+    rows, words = draw_sources(settings.spec, total, seed, _self_sampler(model, runtime, settings, seed),
                                _self_word_list(model, runtime, settings) if perturb else None,
                                settings.wordlist if perturb else None)
     log.info("calibration %s: %d texts (%s)%s", settings.source, len(rows),

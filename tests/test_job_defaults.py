@@ -142,3 +142,16 @@ def test_the_calibration_spec_is_parsed_once_into_its_parts(places):
     assert spec.parts == (("self", 0.25), (places["FILE"], 0.75)) and spec.kind == "mix"
     assert spec.files == [places["FILE"]] and not spec.is_self and spec.single_file is None
     assert cfg.calibration.source == f"self:0.25,{places['FILE']}:0.75"  # one canonical spelling
+
+
+def test_sources_parse_into_weights_that_sum_to_one():
+    from infra.calibration_spec import CalibrationSpec
+    from pip_core.errors import CalibrationError
+
+    assert CalibrationSpec.parse("self").parts == (("self", 1.0),)
+    assert CalibrationSpec.parse("calib.jsonl").parts == (("calib.jsonl", 1.0),)
+    assert CalibrationSpec.parse("self:1,calib.jsonl:3").parts == (("self", 0.25), ("calib.jsonl", 0.75))
+    assert CalibrationSpec.parse("/data/v1:2024/calib.jsonl").parts == (("/data/v1:2024/calib.jsonl", 1.0),)
+    for bad in ("self:0", "calib.jsonl:-1", "self,", "self:nan"):
+        with pytest.raises(CalibrationError, match="SOURCE:WEIGHT"):
+            CalibrationSpec.parse(bad)

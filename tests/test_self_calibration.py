@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from infra.calibration import CalibrationDataError, parse_sources
 from pip_core import importance, units
 from pip_core.errors import CalibrationError, PipCoreError
 from pip_core.importance import CalibrationData
@@ -35,16 +34,6 @@ from tests.test_pip_core import SENTENCES, _train, llama, tok  # noqa: F401 - to
 @pytest.fixture(scope="module")
 def model(tok):  # noqa: F811
     return _train(llama(tok, seed=5), tok)
-
-
-def test_sources_parse_into_weights_that_sum_to_one():
-    assert parse_sources("self") == [("self", 1.0)]
-    assert parse_sources("calib.jsonl") == [("calib.jsonl", 1.0)]
-    assert parse_sources("self:1,calib.jsonl:3") == [("self", 0.25), ("calib.jsonl", 0.75)]
-    assert parse_sources("/data/v1:2024/calib.jsonl") == [("/data/v1:2024/calib.jsonl", 1.0)]  # ':' in a path
-    for bad in ("self:0", "calib.jsonl:-1", "self,", "self:nan"):
-        with pytest.raises(CalibrationDataError, match="SOURCE:WEIGHT"):
-            parse_sources(bad)
 
 
 def test_sampled_texts_are_seeded_and_leave_the_global_rng_alone(tok, model):  # noqa: F811
@@ -269,23 +258,6 @@ def test_minitron_shards_add_up_to_the_whole_set(tok, model):  # noqa: F811
     parts = [importance.score_sums(model, "minitron", found, CalibrationData(tok, texts=SENTENCES[i:i + 2]),
                                    progress=False) for i in (0, 2)]
     torch.testing.assert_close(importance.reduce_sums(parts), whole)
-
-
-def test_a_model_without_calibration_data_defaults_to_self_and_distillation(tok, model, tmp_path):  # noqa: F811
-    from pipprune.commands.compress import _compress_config
-
-    model.save_pretrained(tmp_path / "pretrained")
-    tok.save_pretrained(tmp_path / "pretrained")
-    cfg = _compress_config(str(tmp_path / "pretrained"), None, None, None, None, {"ratio": 0.2})
-    assert cfg.calibration.source == "self" and cfg.scoring.method == "wanda_sp"
-    assert (cfg.recovery.kind, cfg.recovery.steps) == ("kd", 40)
-    off = _compress_config(str(tmp_path / "pretrained"), None, None, None, None, {"recovery": {"steps": 0},
-                                                                                   "method": "pip"})
-    assert off.calibration.source == "self" and not off.recovery.enabled and off.scoring.method == "pip"
-    blocks = _compress_config(str(tmp_path / "pretrained"), None, None, None, None, {"unit": "block"})
-    assert blocks.scoring.method == "pip" and blocks.recovery.enabled  # wanda_sp scores width units only
-    mine = _compress_config(str(tmp_path / "pretrained"), None, "texts.txt", None, None, {})
-    assert mine.calibration.source == "texts.txt" and not mine.recovery.enabled and mine.scoring.method == "pip"
 
 
 @pytest.mark.stack
