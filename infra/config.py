@@ -153,8 +153,9 @@ class EvaluationSettings(_Group):
         return value
 
 
-#: recovery steps when recovery is asked for (a kind named, or the own-text defaults) without a count
-DEFAULT_RECOVERY_STEPS = 40
+#: recovery steps when recovery is asked for (a kind named, or the own-text defaults) without a count: at batch 8,
+#: ~2.7 passes over the own-text defaults' 96 recovery texts
+DEFAULT_RECOVERY_STEPS = 32
 
 
 class RecoverySettings(_Group):
@@ -401,6 +402,11 @@ BUILTIN_CLOZE_TASK = "pipprune_wordnet_cloze"
 BUILTIN_CLOZE_LIMIT = 100
 
 
+#: how many texts a run on the model's own texts samples, where the user did not say: sampling is its costliest
+#: input (one decode loop of all texts, ~270 MFLOP a token on SmolLM2-135M), and a forward-only criterion's statistic
+#: (a norm per input channel) is settled by 64 x 128 tokens; the recovery trains on texts of its own
+#: (benchmarks/results/first_run.md measures the whole run)
+OWN_TEXT_COUNTS = {"n_samples": 64, "recovery_samples": 96}
 def own_text_defaults(unit: str | None) -> dict[str, dict]:
     """What a run gets when every calibration text is the model's own, where the user did not say otherwise.
 
@@ -410,6 +416,7 @@ def own_text_defaults(unit: str | None) -> dict[str, dict]:
     from the scored ones.
     """
     return {"scoring": {"method": "block_influence" if unit == "block" else "wanda_sp"},
+            "calibration": dict(OWN_TEXT_COUNTS),
             "recovery": {"steps": DEFAULT_RECOVERY_STEPS, "kind": "kd"}}
 
 

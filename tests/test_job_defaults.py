@@ -12,7 +12,7 @@ import yaml
 from infra.config import BUILTIN_CLOZE_TASK, CompressConfig, load_config_file
 
 #: the job a model with no calibration data of its own gets: its own texts, wanda_sp, KD recovery, the built-in cloze
-OWN = {"source": "self", "unit": "width", "method": "wanda_sp", "steps": 40, "kind": "kd", "tasks": (BUILTIN_CLOZE_TASK,)}
+OWN = {"source": "self", "unit": "width", "method": "wanda_sp", "steps": 32, "kind": "kd", "tasks": (BUILTIN_CLOZE_TASK,)}
 #: what a reference build gets: its own corpus and tasks, the config's plain defaults (PIP, no recovery)
 REF = {"source": "REF", "unit": "width", "method": "pip", "steps": 0, "kind": "lora",
        "tasks": ("pipprune_persuasion", "pipprune_wordnet_cloze")}
@@ -42,7 +42,7 @@ MATRIX: dict[str, tuple[str, dict, dict, dict]] = {
     "reference build, self asked": ("REF", {"calibration": "self"}, {"calibration": "self"},
                                     {**OWN, "tasks": REF["tasks"]}),
     "reference build, kind alone": ("REF", {"recovery": {"kind": "kd"}}, {"recovery": {"kind": "kd"}},
-                                    {**REF, "steps": 40, "kind": "kd"}),
+                                    {**REF, "steps": 32, "kind": "kd"}),
     "tasks given": ("PLAIN", {"eval_tasks": "hellaswag"}, {"evaluation": {"tasks": "hellaswag"}},
                     {**OWN, "tasks": ("hellaswag",)}),
     "no tasks asked": ("PLAIN", {"eval_tasks": ""}, {"evaluation": {"tasks": ""}}, {**OWN, "tasks": ()}),
@@ -100,6 +100,8 @@ def test_cli_options_and_config_files_resolve_to_the_same_job(name, places, tmp_
     by_both = _compress_config_with_file(config_file)
     expected = {**expected, "source": _fill(expected["source"], places)}
     assert _job(by_cli) == expected
+    own = expected["source"] == "self"
+    assert (by_cli.calibration.n_samples, by_cli.calibration.recovery_samples) == ((64, 96) if own else (128, 128))
     assert _job(by_file) == expected
     assert _job(by_both) == expected
 
@@ -132,7 +134,7 @@ def test_a_user_value_always_wins_over_a_default(places):
     cfg = CompressConfig(model=places["PLAIN"], evaluation={"limit": 7, "max_kl": 0.5}, recovery={"kind": "kd",
                                                                                                  "kd_params": "full"})
     assert (cfg.evaluation.limit, cfg.evaluation.max_kl) == (7, 0.5)
-    assert (cfg.recovery.steps, cfg.recovery.kd_params) == (40, "full")
+    assert (cfg.recovery.steps, cfg.recovery.kd_params) == (32, "full")
     assert cfg.evaluation.tasks == (BUILTIN_CLOZE_TASK,)
 
 
