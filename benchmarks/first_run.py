@@ -113,6 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model or default_model()
     home = args.home or Path(tempfile.mkdtemp(prefix="pipprune-first-run-"))
+    home.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
     try:
         argv, wall, summary, log = run_command(model, args.ratio, home)
