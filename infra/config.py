@@ -277,7 +277,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "protect_first": ("scoring", "protect_first"), "protect_last": ("scoring", "protect_last"),
     "eval_tasks": ("evaluation", "tasks"), "eval_include_path": ("evaluation", "include_path"),
     "eval_limit": ("evaluation", "limit"), "max_kl": ("evaluation", "max_kl"),
-    "max_ppl_ratio": ("evaluation", "max_ppl_ratio"),
+    "max_ppl_ratio": ("evaluation", "max_ppl_ratio"), "min_distinct_ratio": ("evaluation", "min_distinct_ratio"),
     "device": ("runtime", "device"), "dtype": ("runtime", "dtype"),
 }
 

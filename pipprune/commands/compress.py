@@ -59,6 +59,7 @@ def compress(
                                  "per stage, the rest in a log file whose path is printed)"),
     max_kl: Optional[float] = typer.Option(None, help=config_help("evaluation.max_kl")),
     max_ppl_ratio: Optional[float] = typer.Option(None, help=config_help("evaluation.max_ppl_ratio")),
+    min_distinct_ratio: Optional[float] = typer.Option(None, help=config_help("evaluation.min_distinct_ratio")),
     auto_stack: Optional[bool] = typer.Option(None, "--auto-stack/--no-auto-stack",
                                               help="start the embedded stack if it is down [default: "
                                                    "PIPPRUNE_AUTO_STACK, true]"),
@@ -84,6 +85,7 @@ def compress(
             serve_batch=serve_batch, method=method, iterations=iterations,
             wordlist=wordlist, n_samples=n_samples, seed=seed, eval_limit=eval_limit, registered_model_name=name,
             device=device, dtype=dtype, max_kl=max_kl, max_ppl_ratio=max_ppl_ratio,
+            min_distinct_ratio=min_distinct_ratio,
             recovery=_recovery_options(recovery_steps, recovery)))
         out_dir = check_out(out, overwrite)
         check_inputs(cfg)
