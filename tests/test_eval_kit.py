@@ -196,12 +196,13 @@ def test_general_eval_compares_the_final_model_with_the_dense_figures_on_disk(ki
     from infra.config import RuntimeSettings
     from pip_core.token_figures import token_figures
     from tasks import evaluation
+    from pip_core.precision import native_for
     from tasks.models import HANDOFF, save_model
     from tests.helpers import tiny_family_model
 
     monkeypatch.setenv("PIPPRUNE_HOME", str(kit_home))
     runs = []
-    monkeypatch.setattr(evaluation, "token_figures", lambda net, windows: runs.append(net) or token_figures(net, windows))
+    monkeypatch.setattr(evaluation, "token_figures", lambda net, windows, **kw: runs.append(net) or token_figures(net, windows, **kw))
     dense_net, pruned_net = (tiny_family_model("llama", len(tokenizer), seed=s) for s in (0, 1))
     rt = RuntimeSettings(device="cpu", dtype="float32")
     dense = save_model(dense_net, tokenizer, "dense-general", 1)
@@ -216,8 +217,30 @@ def test_general_eval_compares_the_final_model_with_the_dense_figures_on_disk(ki
     general = eval_kit(kit_home).general_set(tokenizer, 256)
     windows = general.encode(tokenizer)
     with torch.no_grad():
-        live = token_figures(pruned_net, windows).against(token_figures(dense_net, windows))
-    assert after.heldout == before.heldout == general.record()
+        live = token_figures(pruned_net, windows, cpu_bf16=True).against(
+            token_figures(dense_net, windows, cpu_bf16=True))
+    precision = "bf16 autocast" if native_for("cpu", torch.float32) else "float32"
+    assert after.heldout == before.heldout == {**general.record(), "precision": precision}
     assert after.metrics["general_ppl_ratio"] == pytest.approx(live["ppl_ratio"], rel=1e-6)
     assert after.metrics["general_top1_agreement"] == pytest.approx(live["top1_agreement"])
     assert after.metrics["general_ppl_ratio"] != 1.0
+
+
+def test_bf16_autocast_measures_the_same_ratio_as_fp32_and_only_where_the_cpu_has_it(kit_home, tokenizer):
+    """The general set is measured under bf16 autocast on CPUs with native bf16 (pip_core.precision): the ratio
+    must agree with fp32 closely; elsewhere (or for a bf16 model) nothing changes."""
+    import torch
+
+    from pip_core.precision import native_for, precision_name
+    from pip_core.token_figures import token_figures
+    from tests.helpers import tiny_family_model
+
+    dense, pruned = (tiny_family_model("llama", len(tokenizer), seed=s) for s in (0, 1))
+    windows = eval_kit(kit_home).general_set(tokenizer, 256).encode(tokenizer)[:40]
+    exact = token_figures(pruned, windows).against(token_figures(dense, windows))
+    fast = token_figures(pruned, windows, cpu_bf16=True).against(token_figures(dense, windows, cpu_bf16=True))
+    assert fast["ppl_ratio"] == pytest.approx(exact["ppl_ratio"], rel=5e-3)
+    assert fast["top1_agreement"] == pytest.approx(exact["top1_agreement"], abs=0.02)
+    assert precision_name("cpu", torch.bfloat16) == "bfloat16" and precision_name("cuda", torch.float32) == "float32"
+    assert precision_name("cpu", torch.float32) == ("bf16 autocast" if native_for("cpu", torch.float32) else "float32")
+    assert precision_name("cpu", torch.float32, wanted=False) == "float32"

@@ -56,7 +56,7 @@ def _print_general_set(console: Any, general: dict) -> None:  # rich Console
     if general:
         console.print(f"general held-out set (general_* rows): {general['source']}; {general['tokens']:,} tokens in "
                       f"{general['windows']} windows of at most {general['max_length']} tokens; sha256 "
-                      f"{general['sha256'][:16]}")
+                      f"{general['sha256'][:16]}" + (f"; {general['precision']}" if general.get("precision") else ""))
 
 
 def _print_repetition(console: Any, before: dict, after: dict) -> None:  # rich Console
