@@ -149,6 +149,17 @@ class CachedDense:
             shutil.rmtree(tmp, ignore_errors=True)
         return cls(folder)
 
+    def mean_nll(self) -> float:
+        """The dense model's mean negative log-likelihood per predicted token of the cached documents, read from
+        the log-probabilities of the tokens that follow (its held-out perplexity with no forward pass)."""
+        total, tokens = 0.0, 0
+        for i, ids in enumerate(self.ids):
+            target = torch.as_tensor(ids[1:])
+            logp = self.logprobs(i, torch.as_tensor(ids))
+            total -= float(logp.gather(1, target[:, None]).double().sum())
+            tokens += target.numel()
+        return total / tokens
+
     def logprobs(self, i: int, ids: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
         """[tokens - 1, vocab] log-probabilities of document `i` (or its `rows`), made for exactly these token ids.
 

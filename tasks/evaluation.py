@@ -4,6 +4,7 @@ the verdict reads) and evaluate (lm-eval, the same code as `pipprune eval`)."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -33,33 +34,40 @@ log = logging.getLogger(__name__)
       persist_result=True, result_serializer="json")
 def quick_eval(model: ModelRef, calib: CalibrationRef, runtime: RuntimeSettings = RuntimeSettings(),
                reference: ModelRef | None = None) -> dict[str, float]:
-    """Perplexity on the texts held out from scoring; with `reference` (the dense model) also KL to it."""
+    """Perplexity on the texts held out from scoring; with `reference` (the dense model) also KL to it, the
+    perplexity then read from the same forward pass (each held-out token costs a forward: one pass, not two)."""
     texts, max_length = read_heldout(calib), calib.max_length
     if not texts:
         return {}
     net, tokenizer = load_model(model, runtime, seq_len=max_length)
-    metrics = perplexity(net, tokenizer, texts, max_length=max_length)
-    log.info("quick eval: perplexity %.3f on %d held-out texts", metrics["perplexity"], len(texts))
-    out = {"heldout_perplexity": metrics["perplexity"], "heldout_nll": metrics["nll"]}
-    if reference is not None:
-        out.update(divergence_metrics(reference, net, tokenizer, texts, max_length,
-                                      same=reference.fingerprint == model.fingerprint, runtime=runtime))
-    return out
+    if reference is None:
+        metrics = perplexity(net, tokenizer, texts, max_length=max_length)
+        log.info("quick eval: perplexity %.3f on %d held-out texts", metrics["perplexity"], len(texts))
+        return {"heldout_perplexity": metrics["perplexity"], "heldout_nll": metrics["nll"]}
+    return divergence_metrics(reference, net, tokenizer, texts, max_length,
+                              same=reference.fingerprint == model.fingerprint, runtime=runtime)
 
 
 def divergence_metrics(reference: ModelRef | Path, net, tokenizer, texts: list[str], max_length: int,  # noqa: ANN001
                        same: bool = False, runtime: RuntimeSettings | None = None) -> dict[str, float]:
-    """heldout_kl (mean per-token KL(dense || model)), heldout_top1_agreement and heldout_ppl_ratio."""
+    """heldout_perplexity and heldout_nll of `net`, heldout_kl (mean per-token KL(dense || model)),
+    heldout_top1_agreement and heldout_ppl_ratio. `same`: `net` is the dense model, whose log-probabilities
+    are written now (its perplexity is read from them)."""
     if same:
         if isinstance(reference, ModelRef):  # the dense model is in hand now: keep its log-probabilities for later
-            dense_logprobs(reference, tokenizer, texts, max_length, runtime)
-        return {"heldout_kl": 0.0, "heldout_top1_agreement": 1.0, "heldout_ppl_ratio": 1.0}
+            nll = dense_logprobs(reference, tokenizer, texts, max_length, runtime).mean_nll()
+        else:
+            nll = perplexity(net, tokenizer, texts, max_length=max_length)["nll"]
+        log.info("quick eval: perplexity %.3f on %d held-out texts", math.exp(nll), len(texts))
+        return {"heldout_perplexity": math.exp(nll), "heldout_nll": nll, "heldout_kl": 0.0,
+                "heldout_top1_agreement": 1.0, "heldout_ppl_ratio": 1.0}
     dense = (core_io.load(reference)[0] if isinstance(reference, Path)
              else dense_logprobs(reference, tokenizer, texts, max_length, runtime))
     m = divergence(dense, net, tokenizer, texts, max_length=max_length)
-    log.info("quick eval: KL to dense %.4f, top-1 agreement %.3f, perplexity ratio %.3f", m["kl"],
-             m["top1_agreement"], m["ppl_ratio"])
-    return {"heldout_kl": m["kl"], "heldout_top1_agreement": m["top1_agreement"], "heldout_ppl_ratio": m["ppl_ratio"]}
+    log.info("quick eval: perplexity %.3f on %d held-out texts; KL to dense %.4f, top-1 agreement %.3f, perplexity "
+             "ratio %.3f", m["ppl_pruned"], len(texts), m["kl"], m["top1_agreement"], m["ppl_ratio"])
+    return {"heldout_perplexity": m["ppl_pruned"], "heldout_nll": math.log(m["ppl_pruned"]), "heldout_kl": m["kl"],
+            "heldout_top1_agreement": m["top1_agreement"], "heldout_ppl_ratio": m["ppl_ratio"]}
 
 
 def dense_logprobs(reference: ModelRef, tokenizer, texts: list[str], max_length: int,  # noqa: ANN001

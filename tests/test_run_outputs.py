@@ -85,6 +85,11 @@ def test_cached_dense_log_probabilities_give_the_live_models_figures(tiny_refere
     assert torch.equal(sliced.logprobs(0, ids), whole) and torch.equal(sliced.logprobs(0, ids, slice(2, 7)), whole[2:7])
     with pytest.raises(Exception, match="other tokens"):
         divergence(CachedDense.open(tmp_path / "cache"), pruned, tok, list(reversed(texts)), 64)
+    # the quick eval reads the dense perplexity from the cache and the pruned one from the divergence pass
+    from pip_core.perplexity import perplexity
+
+    assert cached.mean_nll() == pytest.approx(perplexity(dense, tok, texts, max_length=64)["nll"], rel=1e-6)
+    assert live["ppl_pruned"] == pytest.approx(perplexity(pruned, tok, texts, max_length=64)["perplexity"], rel=1e-6)
 
 
 def test_quality_verdict_names_what_failed():
