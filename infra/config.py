@@ -154,8 +154,9 @@ class EvaluationSettings(_Group):
 
 
 #: recovery steps when recovery is asked for (a kind named, or the own-text defaults) without a count: at batch 8,
-#: ~2.7 passes over the own-text defaults' 96 recovery texts
-DEFAULT_RECOVERY_STEPS = 32
+#: two passes over the own-text defaults' 64 recovery texts, ~80 s of bf16 KD on 2 cores for SmolLM2-135M
+#: (benchmarks/results/first_run.md: the whole first run within 10 minutes)
+DEFAULT_RECOVERY_STEPS = 16
 
 
 class RecoverySettings(_Group):
@@ -406,7 +407,11 @@ BUILTIN_CLOZE_LIMIT = 100
 #: input (one decode loop of all texts, ~270 MFLOP a token on SmolLM2-135M), and a forward-only criterion's statistic
 #: (a norm per input channel) is settled by 64 x 128 tokens; the recovery trains on texts of its own
 #: (benchmarks/results/first_run.md measures the whole run)
-OWN_TEXT_COUNTS = {"n_samples": 64, "recovery_samples": 96}
+OWN_TEXT_COUNTS = {"n_samples": 64, "recovery_samples": 64}
+#: re-scored steps of a width cut on the model's own texts: structured Wanda at 20% of SmolLM2-135M gave a general
+#: held-out perplexity ratio of 25.0 in one step, 1.883 in two, 1.873 in four (benchmarks/results/history.md);
+#: three keeps a step away from that cliff for a third less than four
+OWN_TEXT_WIDTH_ITERATIONS = 3
 def own_text_defaults(unit: str | None) -> dict[str, dict]:
     """What a run gets when every calibration text is the model's own, where the user did not say otherwise.
 
@@ -415,7 +420,9 @@ def own_text_defaults(unit: str | None) -> dict[str, dict]:
     influence (better than every PIP block form), then distillation from the dense model on texts it sampled apart
     from the scored ones.
     """
-    return {"scoring": {"method": "block_influence" if unit == "block" else "wanda_sp"},
+    scoring = {"method": "block_influence"} if unit == "block" else {"method": "wanda_sp",
+                                                                       "iterations": OWN_TEXT_WIDTH_ITERATIONS}
+    return {"scoring": scoring,
             "calibration": dict(OWN_TEXT_COUNTS),
             "recovery": {"steps": DEFAULT_RECOVERY_STEPS, "kind": "kd"}}
 
@@ -441,7 +448,10 @@ def job_defaults(data: dict) -> dict:
     except ValueError:
         spec = None  # the field's own validator names the problem
     if spec is not None and spec.is_self:
-        unit = (data.get("scoring") or {}).get("unit")
+        scoring = data.get("scoring") or {}
+        method = scoring.get("method")
+        blocks = isinstance(method, str) and METHOD_ALIASES.get(method, method) in BLOCK_ONLY_METHODS
+        unit = scoring.get("unit") or ("block" if blocks else None)  # as ScoringSettings infers it
         for group, defaults in own_text_defaults(unit).items():
             data[group] = {**defaults, **(data.get(group) or {})}
     evaluation = dict(data.get("evaluation") or {})

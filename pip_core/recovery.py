@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pip_core.distill import TeacherOutputs, kd_loss, teacher_outputs
 from pip_core.errors import CalibrationError, PipCoreError
+from pip_core.precision import cpu_bf16_autocast
 from pip_core.units import check_supported
 from pip_core.vocabulary import KD_PARAMS
 
@@ -43,6 +44,9 @@ class RecoveryOptions:
     temperature: float = 1.0
     #: KD only: tokens per chunk of the loss (None: pip_core.distill's default)
     chunk_tokens: int | None = None
+    #: forward passes (teacher and student) under bf16 autocast where the model is fp32 on a CPU with native bf16
+    #: (pip_core.precision); weights, optimizer state and the loss stay fp32
+    cpu_bf16: bool = True
     progress: bool = True
 
 
@@ -92,15 +96,17 @@ def _lora(model: nn.Module, rank: int) -> nn.Module:
 
 def _train(trainable: nn.Module, loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
            batches: Iterator[dict[str, torch.Tensor]], lr: float, steps: int, desc: str,
-           progress: bool) -> tuple[list[float], int]:
-    """AdamW on the parameters of `trainable` that require grad; returns the loss of every step and the tokens seen."""
+           progress: bool, cpu_bf16: bool = False) -> tuple[list[float], int]:
+    """AdamW on the parameters of `trainable` that require grad; returns the loss of every step and the tokens seen.
+    `cpu_bf16`: each forward under bf16 autocast where it pays (pip_core.precision), backward outside it."""
     trainable.train()
     optim = torch.optim.AdamW([p for p in trainable.parameters() if p.requires_grad], lr=lr)
     losses: list[float] = []
     tokens = 0
     for batch in tqdm(batches, total=steps, desc=desc, disable=not progress):
         tokens += int(batch["attention_mask"].sum())
-        loss = loss_fn(batch)
+        with cpu_bf16_autocast(trainable, cpu_bf16):
+            loss = loss_fn(batch)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
@@ -124,7 +130,7 @@ def recover_lora(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Se
 
     order = _order(len(texts), o.steps, o.batch_size, o.seed)
     losses, tokens = _train(peft_model, lm_loss, _batches(tokenizer, texts, order, o.max_length), o.lr, o.steps,
-                            "LoRA recovery", o.progress)
+                            "LoRA recovery", o.progress, o.cpu_bf16)
     merged = peft_model.merge_and_unload()
     merged.eval()
     return merged, RecoveryReport(steps=o.steps, first_loss=losses[0], last_loss=losses[-1], losses=tuple(losses),
@@ -142,7 +148,8 @@ def kd_teacher_outputs(teacher: nn.Module, tokenizer: PreTrainedTokenizerBase, t
     texts, o = _texts(texts), options
     seen = sorted({i for picks in _order(len(texts), o.steps, o.batch_size, o.seed) for i in picks})
     rows = tokenizer([texts[i] for i in seen], truncation=True, max_length=o.max_length)["input_ids"]
-    outputs = teacher_outputs(teacher, rows, o.batch_size)
+    with cpu_bf16_autocast(teacher, o.cpu_bf16):
+        outputs = teacher_outputs(teacher, rows, o.batch_size)
     return outputs.with_head_of(student) if student is not None and o.kd_params == "lora" else outputs
 
 
@@ -186,7 +193,7 @@ def _distil(model: nn.Module, loss: Callable[[nn.Module, dict[str, torch.Tensor]
     order = _order(len(texts), o.steps, o.batch_size, o.seed)
     # peft injects the adapters into `model`'s own modules, so `model` itself runs with them
     losses, tokens = _train(trainable, lambda batch: loss(model, batch), _batches(tokenizer, texts, order, o.max_length),
-                            o.lr, o.steps, f"KD recovery ({o.kd_params})", o.progress)
+                            o.lr, o.steps, f"KD recovery ({o.kd_params})", o.progress, o.cpu_bf16)
     out = trainable.merge_and_unload() if o.kd_params == "lora" else model
     out.eval()
     return out, RecoveryReport(steps=o.steps, first_loss=losses[0], last_loss=losses[-1], losses=tuple(losses),

@@ -194,15 +194,16 @@ def test_general_eval_compares_the_final_model_with_the_dense_figures_on_disk(ki
     import torch
 
     from infra.config import RuntimeSettings
+    from pip_core.precision import native_for
     from pip_core.token_figures import token_figures
     from tasks import evaluation
-    from pip_core.precision import native_for
     from tasks.models import HANDOFF, save_model
     from tests.helpers import tiny_family_model
 
     monkeypatch.setenv("PIPPRUNE_HOME", str(kit_home))
     runs = []
-    monkeypatch.setattr(evaluation, "token_figures", lambda net, windows, **kw: runs.append(net) or token_figures(net, windows, **kw))
+    monkeypatch.setattr(evaluation, "token_figures",
+                        lambda net, windows, **kw: runs.append(net) or token_figures(net, windows, **kw))
     dense_net, pruned_net = (tiny_family_model("llama", len(tokenizer), seed=s) for s in (0, 1))
     rt = RuntimeSettings(device="cpu", dtype="float32")
     dense = save_model(dense_net, tokenizer, "dense-general", 1)

@@ -9,12 +9,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.config import BUILTIN_CLOZE_TASK, CompressConfig, load_config_file
+from infra.config import (
+    BUILTIN_CLOZE_TASK,
+    DEFAULT_RECOVERY_STEPS,
+    OWN_TEXT_COUNTS,
+    OWN_TEXT_WIDTH_ITERATIONS,
+    CompressConfig,
+    load_config_file,
+)
 
 #: the job a model with no calibration data of its own gets: its own texts, wanda_sp, KD recovery, the built-in cloze
-OWN = {"source": "self", "unit": "width", "method": "wanda_sp", "steps": 32, "kind": "kd", "tasks": (BUILTIN_CLOZE_TASK,)}
+OWN = {"source": "self", "unit": "width", "method": "wanda_sp", "iterations": OWN_TEXT_WIDTH_ITERATIONS,
+       "steps": DEFAULT_RECOVERY_STEPS, "kind": "kd", "tasks": (BUILTIN_CLOZE_TASK,)}
 #: what a reference build gets: its own corpus and tasks, the config's plain defaults (PIP, no recovery)
-REF = {"source": "REF", "unit": "width", "method": "pip", "steps": 0, "kind": "lora",
+REF = {"source": "REF", "unit": "width", "method": "pip", "iterations": 4, "steps": 0, "kind": "lora",
        "tasks": ("pipprune_persuasion", "pipprune_wordnet_cloze")}
 
 #: name -> (model, options as the CLI passes them, the same as config-file fields, expected job)
@@ -25,10 +33,12 @@ MATRIX: dict[str, tuple[str, dict, dict, dict]] = {
     "self given explicitly": ("PLAIN", {"calibration": "self"}, {"calibration": "self"}, OWN),
     "self by weight alone": ("PLAIN", {"calibration": "self:1"}, {"calibration": {"source": "self:1"}}, OWN),
     "block unit": ("PLAIN", {"unit": "block"}, {"scoring": {"unit": "block"}},
-                   {**OWN, "unit": "block", "method": "block_influence"}),
+                   {**OWN, "unit": "block", "method": "block_influence", "iterations": 4}),
     "method given": ("PLAIN", {"method": "pip"}, {"scoring": {"method": "pip"}}, {**OWN, "method": "pip"}),
     "block method without unit": ("PLAIN", {"method": "block-influence"}, {"scoring": {"method": "block-influence"}},
-                                  {**OWN, "unit": "block", "method": "block_influence"}),
+                                  {**OWN, "unit": "block", "method": "block_influence", "iterations": 4}),
+    "iterations given": ("PLAIN", {"iterations": 2}, {"scoring": {"iterations": 2}},
+                         {**OWN, "iterations": 2}),
     "steps alone keep kd": ("PLAIN", {"recovery": {"steps": 80}}, {"recovery": {"steps": 80}}, {**OWN, "steps": 80}),
     "kind alone keeps the default steps": ("PLAIN", {"recovery": {"kind": "lora"}}, {"recovery": {"kind": "lora"}},
                                            {**OWN, "kind": "lora"}),
@@ -42,7 +52,7 @@ MATRIX: dict[str, tuple[str, dict, dict, dict]] = {
     "reference build, self asked": ("REF", {"calibration": "self"}, {"calibration": "self"},
                                     {**OWN, "tasks": REF["tasks"]}),
     "reference build, kind alone": ("REF", {"recovery": {"kind": "kd"}}, {"recovery": {"kind": "kd"}},
-                                    {**REF, "steps": 32, "kind": "kd"}),
+                                    {**REF, "steps": DEFAULT_RECOVERY_STEPS, "kind": "kd"}),
     "tasks given": ("PLAIN", {"eval_tasks": "hellaswag"}, {"evaluation": {"tasks": "hellaswag"}},
                     {**OWN, "tasks": ("hellaswag",)}),
     "no tasks asked": ("PLAIN", {"eval_tasks": ""}, {"evaluation": {"tasks": ""}}, {**OWN, "tasks": ()}),
@@ -77,7 +87,8 @@ def _fill(value: object, places: dict[str, str]) -> object:
 
 def _job(cfg: CompressConfig) -> dict:
     return {"source": cfg.calibration.source, "unit": cfg.scoring.unit, "method": cfg.scoring.method,
-            "steps": cfg.recovery.steps, "kind": cfg.recovery.kind, "tasks": cfg.evaluation.tasks}
+            "iterations": cfg.scoring.iterations, "steps": cfg.recovery.steps, "kind": cfg.recovery.kind,
+            "tasks": cfg.evaluation.tasks}
 
 
 def _cli(model: str, options: dict) -> CompressConfig:
@@ -101,7 +112,8 @@ def test_cli_options_and_config_files_resolve_to_the_same_job(name, places, tmp_
     expected = {**expected, "source": _fill(expected["source"], places)}
     assert _job(by_cli) == expected
     own = expected["source"] == "self"
-    assert (by_cli.calibration.n_samples, by_cli.calibration.recovery_samples) == ((64, 96) if own else (128, 128))
+    own_counts = (OWN_TEXT_COUNTS["n_samples"], OWN_TEXT_COUNTS["recovery_samples"])
+    assert (by_cli.calibration.n_samples, by_cli.calibration.recovery_samples) == (own_counts if own else (128, 128))
     assert _job(by_file) == expected
     assert _job(by_both) == expected
 
@@ -134,7 +146,7 @@ def test_a_user_value_always_wins_over_a_default(places):
     cfg = CompressConfig(model=places["PLAIN"], evaluation={"limit": 7, "max_kl": 0.5}, recovery={"kind": "kd",
                                                                                                  "kd_params": "full"})
     assert (cfg.evaluation.limit, cfg.evaluation.max_kl) == (7, 0.5)
-    assert (cfg.recovery.steps, cfg.recovery.kd_params) == (32, "full")
+    assert (cfg.recovery.steps, cfg.recovery.kd_params) == (DEFAULT_RECOVERY_STEPS, "full")
     assert cfg.evaluation.tasks == (BUILTIN_CLOZE_TASK,)
 
 
