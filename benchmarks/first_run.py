@@ -69,23 +69,42 @@ def verdicts(figures: dict) -> dict[str, bool]:
             "peak_rss_over_fp32_weights": figures["peak_rss_over_fp32_weights"] <= TARGETS["peak_rss_over_fp32_weights"]}
 
 
-def table(result: dict) -> list[str]:
+def target_rows(result: dict) -> list[str]:
+    """`target | measured | verdict |` of each target (the results README's targets table takes them as they are)."""
     f, ok = result["figures"], result["verdicts"]
+    own = (f"; {f['run_memory_over_fp32_weights']:.2f}x above the {f['baseline_rss_gib']:.2f} GiB the process held "
+           "before reading a model" if "run_memory_over_fp32_weights" in f else "")
+    return [f"whole run <= {TARGETS['total_s'] / 60:g} min | {f['total_s'] / 60:.1f} min | {_met(ok['total_s'])} |",
+            f"sampling <= {TARGETS['sampling_s']:g} s | {f['sampling_s']:.0f} s | {_met(ok['sampling_s'])} |",
+            f"pruning steps <= {TARGETS['pruning_s']:g} s together | {f['pruning_s']:.0f} s | "
+            f"{_met(ok['pruning_s'])} |",
+            f"peak resident memory <= {TARGETS['peak_rss_over_fp32_weights']:g}x the fp32 weights | "
+            f"{f['peak_rss_over_fp32_weights']:.2f}x ({f['peak_rss_gib']:.2f} GiB{own}) | "
+            f"{_met(ok['peak_rss_over_fp32_weights'])} |"]
+
+
+def table(result: dict) -> list[str]:
+    f = result["figures"]
     lines = [f"## First run: `{result['command_shown']}`", "",
              f"{result['cpus']} cores, load average {result['load_before']:.2f} at the start; "
-             f"exit {result['exit']}; verdict **{result['summary_quality'].get('verdict', '?')}**.", "",
+             f"exit {result['exit']}; verdict **{result['summary_quality'].get('verdict', '?')}**"
+             + (f" ({'; '.join(result['summary_quality'].get('reasons', []))})"
+                if result['summary_quality'].get('reasons') else "") + ".", "",
              "| stage | wall s |", "|---|---|"]
     lines += [f"| {name} | {seconds:.1f} |" for name, seconds in result["stages"].items()]
     lines += [f"| **total** | **{f['total_s']:.1f}** |", "", "| target | measured | verdict |", "|---|---|---|"]
-    lines += [f"| whole run <= {TARGETS['total_s'] / 60:g} min | {f['total_s'] / 60:.1f} min | {_met(ok['total_s'])} |",
-              f"| sampling <= {TARGETS['sampling_s']:g} s | {f['sampling_s']:.0f} s | {_met(ok['sampling_s'])} |",
-              f"| pruning steps <= {TARGETS['pruning_s']:g} s together | {f['pruning_s']:.0f} s | "
-              f"{_met(ok['pruning_s'])} |",
-              f"| peak resident memory <= {TARGETS['peak_rss_over_fp32_weights']:g}x the fp32 weights | "
-              f"{f['peak_rss_over_fp32_weights']:.2f}x ({f['peak_rss_gib']:.2f} GiB) | "
-              f"{_met(ok['peak_rss_over_fp32_weights'])} |"]
+    lines += [f"| {row}" for row in target_rows(result)]
     lines += ["", "| quality | dense | compressed |", "|---|---|---|"]
     lines += [f"| {name} | {pair[0]} | {pair[1]} |" for name, pair in result["quality"].items()]
+    general = result["summary"].get("general_set") or {}
+    if general:
+        lines += ["", f"general_* rows: {general['source']}; {general['tokens']:,} tokens in {general['windows']} "
+                  f"windows, sha256 {general['sha256'][:16]}, {general.get('precision', 'float32')}. samples_distinct: "
+                  "the share of distinct tokens in the greedy continuations of the run's prompts (the verdict's "
+                  "repetition bound reads the ratio)."]
+    if samples := result["summary"].get("samples"):
+        lines += ["", "| prompt | dense | compressed |", "|---|---|---|"]
+        lines += [f"| {row['prompt']} | {_cell(row['dense'])} | {_cell(row['compressed'])} |" for row in samples[:3]]
     if "baseline" in result:
         b = result["baseline"]
         lines += ["", f"The earlier release's output (`{Path(b['baseline']).name}`) on the same general held-out set: "
@@ -93,6 +112,12 @@ def table(result: dict) -> list[str]:
                   f"top-1 agreement {b['general_top1_agreement']:.3f} (this run: "
                   f"{result['summary'].get('metrics_after', {}).get('general_ppl_ratio', float('nan')):.3f})."]
     return lines
+
+
+def _cell(text: str, limit: int = 160) -> str:
+    """A continuation as one table cell: one line, pipes escaped, cut at `limit` characters."""
+    flat = " ".join(text.split()).replace("|", "\\|")
+    return flat if len(flat) <= limit else flat[:limit] + " ..."
 
 
 def _met(ok: bool) -> str:
@@ -152,7 +177,9 @@ def main() -> None:
     figures = {"total_s": round(wall, 1), "sampling_s": summary.get("stage_seconds", {}).get("calibration texts", 0.0),
                "pruning_s": summary.get("stage_seconds", {}).get("pruning steps", 0.0),
                "peak_rss_gib": summary["peak_rss_bytes"] / 2**30,
-               "peak_rss_over_fp32_weights": summary["peak_rss_bytes"] / fp32_weights}
+               "peak_rss_over_fp32_weights": summary["peak_rss_bytes"] / fp32_weights,
+               "baseline_rss_gib": summary["baseline_rss_bytes"] / 2**30,
+               "run_memory_over_fp32_weights": (summary["peak_rss_bytes"] - summary["baseline_rss_bytes"]) / fp32_weights}
     result = {"command": argv, "command_shown": f"pipprune compress --model {model.name} --ratio {args.ratio:g}",
               "cpus": os.cpu_count(), "load_before": load_before, "exit": 0, "log": log, "stages": stages,
               "figures": figures, "verdicts": verdicts(figures), "summary_quality": summary.get("quality", {}),

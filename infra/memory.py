@@ -15,11 +15,15 @@ import ctypes.util
 import logging
 import resource
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-_M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
+_M_MMAP_THRESHOLD = -3  # mallopt parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD = -1
+TRIM_THRESHOLD = 128 * 1024  # glibc's default: free memory above it at the heap's top goes back at once
 MMAP_THRESHOLD = 128 * 1024  # glibc's initial value, made fixed
 
 
@@ -37,6 +41,31 @@ def _glibc(function: str, *args: int) -> int | None:
 def fix_allocator() -> bool:
     """Fix glibc's mmap threshold so freed tensors go back to the system; False where libc is not glibc."""
     return bool(_glibc("mallopt", _M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+
+
+#: the fixed threshold of forward-only stages (sampling, the general held-out set): their temporaries (a decode
+#: step's logits, a batch's activations) are reused from the heap instead of mapped and faulted in afresh each time
+ROOMY_MMAP_THRESHOLD = 64 * 2**20
+
+
+@contextmanager
+def roomy_allocator(threshold: int = ROOMY_MMAP_THRESHOLD) -> Iterator[None]:
+    """A forward-only stage with glibc's mmap threshold raised to `threshold`, then fixed back at MMAP_THRESHOLD
+    and the heap's free pages handed back. Inside, freed tensors below `threshold` are reused, not re-mapped. On
+    SmolLM2-135M (2 cores): sampling 60 texts took 36.6 s against 63.5 s at 128 KiB (page faults 3.3M against
+    22M), 4k tokens of the general set 4.6 s against 7.0 s, the peak 1.51 GiB against 1.44. KD training is left at
+    the low threshold: 3.4 s a step against 6.2 s, but a peak 0.8 GiB higher (2.86 -> 3.68 GiB). Not nested;
+    where libc is not glibc, nothing changes."""
+    raised = _glibc("mallopt", _M_MMAP_THRESHOLD, threshold) is not None
+    if raised:  # and keep what was freed at the heap's top, or the next block faults its pages in again
+        _glibc("mallopt", _M_TRIM_THRESHOLD, 2 * threshold)
+    try:
+        yield
+    finally:
+        if raised:
+            _glibc("mallopt", _M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+            _glibc("mallopt", _M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+            release_free_heap()
 
 
 def release_free_heap() -> bool:

@@ -17,6 +17,7 @@ from infra.config import RuntimeSettings
 from infra.eval_kit import KIT_TASKS, MAX_LENGTH, GeneralSet, eval_kit, kit_tasks_dir
 from infra.eval_kit import recipe as kit_recipe
 from infra.hashing import sha256_file, tree_digest
+from infra.memory import roomy_allocator
 from pip_core import io as core_io
 from pip_core.divergence import CachedDense, divergence
 from pip_core.perplexity import perplexity
@@ -40,12 +41,13 @@ def quick_eval(model: ModelRef, calib: CalibrationRef, runtime: RuntimeSettings 
     if not texts:
         return {}
     net, tokenizer = load_model(model, runtime, seq_len=max_length)
-    if reference is None:
-        metrics = perplexity(net, tokenizer, texts, max_length=max_length)
-        log.info("quick eval: perplexity %.3f on %d held-out texts", metrics["perplexity"], len(texts))
-        return {"heldout_perplexity": metrics["perplexity"], "heldout_nll": metrics["nll"]}
-    return divergence_metrics(reference, net, tokenizer, texts, max_length,
-                              same=reference.fingerprint == model.fingerprint, runtime=runtime)
+    with roomy_allocator():  # forward only (infra.memory)
+        if reference is None:
+            metrics = perplexity(net, tokenizer, texts, max_length=max_length)
+            log.info("quick eval: perplexity %.3f on %d held-out texts", metrics["perplexity"], len(texts))
+            return {"heldout_perplexity": metrics["perplexity"], "heldout_nll": metrics["nll"]}
+        return divergence_metrics(reference, net, tokenizer, texts, max_length,
+                                  same=reference.fingerprint == model.fingerprint, runtime=runtime)
 
 
 def divergence_metrics(reference: ModelRef | Path, net, tokenizer, texts: list[str], max_length: int,  # noqa: ANN001
@@ -120,12 +122,13 @@ def general_eval(model: ModelRef, runtime: RuntimeSettings = RuntimeSettings(),
     general = eval_kit().general_set(tokenizer, min(MAX_LENGTH, getattr(net.config, "max_position_embeddings",
                                                                           MAX_LENGTH)))
     windows = general.encode(tokenizer)
-    if reference is None or reference.fingerprint == model.fingerprint:
-        own = dense_token_figures(model, general, windows, net, runtime)
-        figures = own.against(own)
-    else:
-        figures = token_figures(net, windows, cpu_bf16=True).against(
-            dense_token_figures(reference, general, windows, None, runtime))
+    with roomy_allocator():  # forward only (infra.memory): 1.5x faster
+        if reference is None or reference.fingerprint == model.fingerprint:
+            own = dense_token_figures(model, general, windows, net, runtime)
+            figures = own.against(own)
+        else:
+            figures = token_figures(net, windows, cpu_bf16=True).against(
+                dense_token_figures(reference, general, windows, None, runtime))
     metrics = {f"general_{k}": v for k, v in figures.items()}
     log.info("general held-out set (%d tokens): perplexity %.3f, ratio to dense %.3f, top-1 agreement %.3f (%.0f s)",
              general.tokens, metrics["general_perplexity"], metrics["general_ppl_ratio"],
@@ -225,9 +228,11 @@ def evaluate(model: ModelRef, tasks: tuple[str, ...], include_path: str | None, 
     if not include_path and (kit := kit_tasks_dir(tasks)) is not None:
         include_path = str(kit)
     net, tokenizer = load_model(model, runtime, keep_slot=True)
-    results, provenance = run_lmeval_recorded(ensure_local(model), list(tasks),
-                                              include_path=Path(include_path) if include_path else None, limit=limit,
-                                              loaded=(net, tokenizer), device=str(next(net.parameters()).device))
+    with roomy_allocator():  # forward only (infra.memory)
+        results, provenance = run_lmeval_recorded(ensure_local(model), list(tasks),
+                                                  include_path=Path(include_path) if include_path else None,
+                                                  limit=limit, loaded=(net, tokenizer),
+                                                  device=str(next(net.parameters()).device))
     log.info("evaluate: %s", results)
     return EvalResult(results=results, provenance=provenance)
 

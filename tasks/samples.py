@@ -9,6 +9,7 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from infra.config import RuntimeSettings
+from infra.memory import roomy_allocator
 from pip_core.repetition import NGRAM, distinct_share, ngram_name
 from pip_core.samples import greedy_continuations
 from tasks._common import key_from
@@ -37,7 +38,8 @@ def generate_samples(model: ModelRef, prompts: tuple[str, ...], new_tokens: int,
     if not prompts or new_tokens == 0:
         return Samples()
     net, tokenizer = load_model(model, runtime, keep_slot=True)
-    texts = greedy_continuations(net, tokenizer, prompts, new_tokens)
+    with roomy_allocator():  # forward only (infra.memory)
+        texts = greedy_continuations(net, tokenizer, prompts, new_tokens)
     for prompt, text in zip(prompts, texts, strict=True):
         log.info("sample %s: %r -> %r", model.fingerprint[:12], prompt, text)
     tokens = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]  # the text read back

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import get_args
 
@@ -20,6 +21,7 @@ from prefect import task
 
 from infra import atomic
 from infra.config import RuntimeSettings, ScoringSettings
+from infra.memory import roomy_allocator
 from infra.settings import Settings
 from pip_core import schedule
 from pip_core import units as core_units
@@ -88,8 +90,9 @@ def score_units(model: ModelRef, calib: CalibrationRef, scoring: ScoringSettings
     if parallel_scoring.wants_cluster(runtime, scoring.method):  # data-parallel over Dask workers: same scores
         found, scores = parallel_scoring.score_on_cluster(model, pairs, spec, options, runtime)
     else:
-        found, scores = schedule.score_step(
-            net, CalibrationData(tokenizer, pairs, texts=[original for original, _ in pairs]), spec, options)
+        with roomy_allocator() if scoring.method in FORWARD_ONLY_METHODS else nullcontext():
+            found, scores = schedule.score_step(
+                net, CalibrationData(tokenizer, pairs, texts=[original for original, _ in pairs]), spec, options)
     seconds = time.perf_counter() - started
     out = Settings().work_dir / "stats" / model.fingerprint[:16] / \
         f"{scoring.method}-{scoring.unit}-{calib.data_hash[:12]}-s{spec.seed}"

@@ -48,3 +48,30 @@ def test_loaded_weights_live_outside_the_checkpoints_memory_map(tiny_reference_d
     ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
     with torch.no_grad():
         assert torch.equal(net(ids).logits, plain(ids).logits)
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_a_forward_only_stage_reuses_freed_blocks_and_the_low_threshold_comes_back():
+    """Inside roomy_allocator a freed 1 MiB block is reused (few fresh page faults); after it the threshold is low
+    again, so a block larger than any freed one is mapped, and faulted in, afresh each time."""
+    import resource
+
+    import torch
+
+    from infra.memory import roomy_allocator
+
+    def faults_of_fresh_blocks(n: int = 50, mib: int = 1) -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(n):
+            torch.ones(mib * 2**18)  # written whole, freed at once
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    fix_allocator()
+    low = faults_of_fresh_blocks()
+    with roomy_allocator():
+        faults_of_fresh_blocks(1)  # the first block grows the heap once
+        roomy = faults_of_fresh_blocks()
+    after = faults_of_fresh_blocks(20, mib=8)
+    assert low >= 50 * 200  # 256 pages a block, mapped anew each time
+    assert roomy < low / 4
+    assert after >= 20 * 1800  # 2048 pages a block
