@@ -50,28 +50,41 @@ def test_loaded_weights_live_outside_the_checkpoints_memory_map(tiny_reference_d
         assert torch.equal(net(ids).logits, plain(ids).logits)
 
 
+#: run in a fresh interpreter: a test process's heap, grown by other tests, would serve the blocks without faults
+_ROOMY_PROBE = """
+import json, resource
+import torch
+from infra.memory import fix_allocator, roomy_allocator
+
+def faults(n=50, mib=1):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(n):
+        torch.ones(mib * 2**18)  # written whole, freed at once
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+fix_allocator()
+low = faults()
+with roomy_allocator():
+    faults(1)  # the first block grows the heap once
+    roomy = faults()
+print(json.dumps({"low": low, "roomy": roomy, "after": faults(20, mib=8)}))
+"""
+
+
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_a_forward_only_stage_reuses_freed_blocks_and_the_low_threshold_comes_back():
     """Inside roomy_allocator a freed 1 MiB block is reused (few fresh page faults); after it the threshold is low
     again, so a block larger than any freed one is mapped, and faulted in, afresh each time."""
-    import resource
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    import torch
-
-    from infra.memory import roomy_allocator
-
-    def faults_of_fresh_blocks(n: int = 50, mib: int = 1) -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(n):
-            torch.ones(mib * 2**18)  # written whole, freed at once
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    fix_allocator()
-    low = faults_of_fresh_blocks()
-    with roomy_allocator():
-        faults_of_fresh_blocks(1)  # the first block grows the heap once
-        roomy = faults_of_fresh_blocks()
-    after = faults_of_fresh_blocks(20, mib=8)
-    assert low >= 50 * 200  # 256 pages a block, mapped anew each time
-    assert roomy < low / 4
-    assert after >= 20 * 1800  # 2048 pages a block
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _ROOMY_PROBE], capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}, check=True)
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["low"] >= 50 * 200  # 256 pages a block, mapped anew each time
+    assert seen["roomy"] < seen["low"] / 4
+    assert seen["after"] >= 20 * 1800  # 2048 pages a block
