@@ -90,9 +90,11 @@ def table(result: dict) -> list[str]:
              f"exit {result['exit']}; verdict **{result['summary_quality'].get('verdict', '?')}**"
              + (f" ({'; '.join(result['summary_quality'].get('reasons', []))})"
                 if result['summary_quality'].get('reasons') else "") + ".", "",
-             "| stage | wall s |", "|---|---|"]
-    lines += [f"| {name} | {seconds:.1f} |" for name, seconds in result["stages"].items()]
-    lines += [f"| **total** | **{f['total_s']:.1f}** |", "", "| target | measured | verdict |", "|---|---|---|"]
+             "| stage | wall s | peak resident GiB at its end |", "|---|---|---|"]
+    peaks = result["summary"].get("stage_peak_bytes") or {}
+    lines += [f"| {name} | {seconds:.1f} |" + (f" {peaks[name] / 2**30:.2f} |" if name in peaks else " |")
+              for name, seconds in result["stages"].items()]
+    lines += [f"| **total** | **{f['total_s']:.1f}** | |", "", "| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {row}" for row in target_rows(result)]
     lines += ["", "| quality | dense | compressed |", "|---|---|---|"]
     lines += [f"| {name} | {pair[0]} | {pair[1]} |" for name, pair in result["quality"].items()]

@@ -87,6 +87,9 @@ class CompressSummary(BaseModel):
     #: wall seconds of each stage of the run (inputs, calibration texts and sets, the dense model's figures, the
     #: pruning steps, recovery, final): where a run's minutes went
     stage_seconds: dict[str, float] = {}
+    #: the process's peak resident memory at the end of each stage (a high-water mark: where it rises, that stage
+    #: set the run's peak)
+    stage_peak_bytes: dict[str, int] = {}
     #: resident memory before any model was read (interpreter and libraries), and the peak less it over the weights
     baseline_rss_bytes: int | None = None
     run_memory_over_weights: float | None = None
@@ -376,7 +379,7 @@ def summary(run: RunContext, version: str, model: ModelRef, history: list[dict],
         peak_rss_over_weights=judgement.memory["run.peak_rss_over_weights"],
         baseline_rss_bytes=int(judgement.memory["run.baseline_rss_bytes"]),
         run_memory_over_weights=judgement.memory["run.run_memory_over_weights"],
-        stage_seconds=_final_lap(run.clock))
+        stage_seconds=_final_lap(run.clock), stage_peak_bytes=dict(run.clock.peaks))
 
 
 def _final_lap(clock: StageClock) -> dict[str, float]:

@@ -60,16 +60,22 @@ class StepProgress:
 
 
 class StageClock:
-    """Wall seconds of each named stage of a run, kept for its summary: where a run's minutes went."""
+    """Wall seconds of each named stage of a run, and the process's peak resident memory when it ended, kept for
+    its summary: where a run's minutes went, and which stage raised its peak (the peak is a high-water mark, so a
+    stage whose figure is above the one before it set a new peak)."""
 
     def __init__(self) -> None:
         self.last = time.monotonic()
         self.seconds: dict[str, float] = {}
+        self.peaks: dict[str, int] = {}
 
     def lap(self, name: str) -> None:
         """The time since the previous lap (or the start) belongs to stage `name` (added to it when repeated)."""
+        from infra.memory import peak_bytes
+
         now = time.monotonic()
         self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self.last, 2)
+        self.peaks[name] = peak_bytes()
         self.last = now
 
 

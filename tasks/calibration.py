@@ -57,13 +57,13 @@ def _sampling_place(model: ModelRef, runtime: RuntimeSettings, max_length: int) 
 def _self_sampler(model: ModelRef, runtime: RuntimeSettings, settings: CalibrationSettings,
                   seed: int) -> Callable[[int], list[str]]:
     """n -> n texts sampled from `model` (seeded, `max_length` new tokens each)."""
-    from infra.memory import roomy_allocator
+    from infra.memory import DECODE_MMAP_THRESHOLD, roomy_allocator
     from pip_core.self_calibration import SamplingOptions, sampled_texts
     from tasks.models import load_model
 
     def sample(n: int) -> list[str]:
         net, tokenizer = load_model(model, runtime, seq_len=settings.max_length)
-        with roomy_allocator():  # forward only: 1.7x faster decoding than with the run's low mmap threshold
+        with roomy_allocator(DECODE_MMAP_THRESHOLD):  # forward only (infra.memory)
             return sampled_texts(net, tokenizer, SamplingOptions(n=n, new_tokens=settings.max_length, seed=seed))
     return sample
 
