@@ -43,12 +43,14 @@ def fix_allocator() -> bool:
     return bool(_glibc("mallopt", _M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
-#: the fixed threshold of forward-only stages (sampling, the general held-out set): their temporaries (a decode
-#: step's logits, a batch's activations) are reused from the heap instead of mapped and faulted in afresh each time
-ROOMY_MMAP_THRESHOLD = 64 * 2**20
-#: the decode loop's: its KV cache grows every step, and at 64 MiB the heap kept every outgrown copy (144 texts of
-#: SmolLM2-135M: 74 s, peak 3.72 GiB); at 4 MiB the caches are mapped and the step's small temporaries reused
-#: (104 s, peak 2.41 GiB; 129 s at 128 KiB)
+#: the fixed threshold of forward-only stages (the general held-out set, forward-only scoring, greedy samples):
+#: a batch's activations are reused from the heap instead of mapped and faulted in afresh each time. The general
+#: set of SmolLM2-135M: 36 s and a peak of 1.45 GiB at 16 MiB, 52 s / 1.41 GiB at 4 MiB, 36 s / 3.99 GiB at 64 MiB
+#: (batches of other lengths leave the heap holes it cannot reuse)
+ROOMY_MMAP_THRESHOLD = 16 * 2**20
+#: the decode loop's: its KV cache grows every step, and the heap keeps every outgrown copy below the threshold
+#: (144 texts of SmolLM2-135M: 74 s and a peak of 3.72 GiB at 64 MiB, 79 s / 3.56 GiB at 16 MiB); at 4 MiB the
+#: caches are mapped and the step's small temporaries reused (104 s, peak 2.41 GiB; 129 s in the run at 128 KiB)
 DECODE_MMAP_THRESHOLD = 4 * 2**20
 
 
@@ -56,10 +58,10 @@ DECODE_MMAP_THRESHOLD = 4 * 2**20
 def roomy_allocator(threshold: int = ROOMY_MMAP_THRESHOLD) -> Iterator[None]:
     """A forward-only stage with glibc's mmap threshold raised to `threshold`, then fixed back at MMAP_THRESHOLD
     and the heap's free pages handed back. Inside, freed tensors below `threshold` are reused, not re-mapped. On
-    SmolLM2-135M (2 cores): sampling 60 texts took 36.6 s against 63.5 s at 128 KiB (page faults 3.3M against
-    22M), 4k tokens of the general set 4.6 s against 7.0 s, the peak 1.51 GiB against 1.44. KD training is left at
-    the low threshold: 3.4 s a step against 6.2 s, but a peak 0.8 GiB higher (2.86 -> 3.68 GiB). Not nested;
-    where libc is not glibc, nothing changes."""
+    SmolLM2-135M (2 cores), at 64 MiB: sampling 60 texts took 36.6 s against 63.5 s at 128 KiB (page faults 3.3M
+    against 22M), 4k tokens of the general set 4.6 s against 7.0 s. The threshold is a trade of speed for peak
+    memory (see the thresholds above); KD training is left at the low one: 3.4 s a step at 64 MiB against 6.2 s,
+    but a peak 0.8 GiB higher. Not nested; where libc is not glibc, nothing changes."""
     raised = _glibc("mallopt", _M_MMAP_THRESHOLD, threshold) is not None
     if raised:  # and keep what was freed at the heap's top, or the next block faults its pages in again
         _glibc("mallopt", _M_TRIM_THRESHOLD, 2 * threshold)

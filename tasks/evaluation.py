@@ -41,13 +41,12 @@ def quick_eval(model: ModelRef, calib: CalibrationRef, runtime: RuntimeSettings 
     if not texts:
         return {}
     net, tokenizer = load_model(model, runtime, seq_len=max_length)
-    with roomy_allocator():  # forward only (infra.memory)
-        if reference is None:
-            metrics = perplexity(net, tokenizer, texts, max_length=max_length)
-            log.info("quick eval: perplexity %.3f on %d held-out texts", metrics["perplexity"], len(texts))
-            return {"heldout_perplexity": metrics["perplexity"], "heldout_nll": metrics["nll"]}
-        return divergence_metrics(reference, net, tokenizer, texts, max_length,
-                                  same=reference.fingerprint == model.fingerprint, runtime=runtime)
+    if reference is None:
+        metrics = perplexity(net, tokenizer, texts, max_length=max_length)
+        log.info("quick eval: perplexity %.3f on %d held-out texts", metrics["perplexity"], len(texts))
+        return {"heldout_perplexity": metrics["perplexity"], "heldout_nll": metrics["nll"]}
+    return divergence_metrics(reference, net, tokenizer, texts, max_length,
+                              same=reference.fingerprint == model.fingerprint, runtime=runtime)
 
 
 def divergence_metrics(reference: ModelRef | Path, net, tokenizer, texts: list[str], max_length: int,  # noqa: ANN001
@@ -228,11 +227,9 @@ def evaluate(model: ModelRef, tasks: tuple[str, ...], include_path: str | None, 
     if not include_path and (kit := kit_tasks_dir(tasks)) is not None:
         include_path = str(kit)
     net, tokenizer = load_model(model, runtime, keep_slot=True)
-    with roomy_allocator():  # forward only (infra.memory)
-        results, provenance = run_lmeval_recorded(ensure_local(model), list(tasks),
-                                                  include_path=Path(include_path) if include_path else None,
-                                                  limit=limit, loaded=(net, tokenizer),
-                                                  device=str(next(net.parameters()).device))
+    results, provenance = run_lmeval_recorded(ensure_local(model), list(tasks),
+                                              include_path=Path(include_path) if include_path else None, limit=limit,
+                                              loaded=(net, tokenizer), device=str(next(net.parameters()).device))
     log.info("evaluate: %s", results)
     return EvalResult(results=results, provenance=provenance)
 
