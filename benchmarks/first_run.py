@@ -148,11 +148,13 @@ def baseline_figures(home: Path, model: Path, baseline: Path) -> dict[str, float
 
     dense_dir = cache_dir_for(inspect_gguf(model), home / "cache")
     tokenizer = AutoTokenizer.from_pretrained(dense_dir)
-    figures = {}
+    figures, general = {}, None
     for name, folder in (("dense", dense_dir), ("baseline", baseline)):
-        net = AutoModelForCausalLM.from_pretrained(folder, torch_dtype="float32")
-        general = eval_kit(home).general_set(tokenizer, min(MAX_LENGTH, net.config.max_position_embeddings))
-        figures[name] = token_figures(net, general.encode(tokenizer))
+        net = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
+        if general is None:  # both models read the same windows (one tokenizer)
+            general = eval_kit(home).general_set(tokenizer, min(MAX_LENGTH, net.config.max_position_embeddings))
+            windows = general.encode(tokenizer)
+        figures[name] = token_figures(net, windows, cpu_bf16=True)  # the precision the run's own figures are in
     out = figures["baseline"].against(figures["dense"])
     return {"baseline": str(baseline), "general_sha256": general.sha256, **{f"general_{k}": v for k, v in out.items()}}
 

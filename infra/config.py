@@ -69,6 +69,14 @@ class CalibrationSettings(_Group):
         return CalibrationSpec.parse(self.source)
 
 
+def implied_unit(unit: str | None, method: object) -> str | None:
+    """The unit a scoring group asks for: `unit` as given, else "block" for a method that scores only whole blocks
+    (named in any of its spellings), else None (the default, width)."""
+    if unit is not None:
+        return unit
+    return "block" if isinstance(method, str) and METHOD_ALIASES.get(method, method) in BLOCK_ONLY_METHODS else None
+
+
 class ScoringSettings(_Group):
     """What is pruned, by which criterion, in how many re-scored steps."""
 
@@ -102,9 +110,8 @@ class ScoringSettings(_Group):
     @classmethod
     def _unit_follows_a_block_method(cls, data: object) -> object:
         """A method that scores only whole blocks, named without a unit, prunes blocks (width is the default)."""
-        if isinstance(data, dict) and data.get("unit") is None and isinstance(data.get("method"), str):
-            if METHOD_ALIASES.get(data["method"], data["method"]) in BLOCK_ONLY_METHODS:  # the method's own alias rule
-                return {**data, "unit": "block"}
+        if isinstance(data, dict) and data.get("unit") is None and implied_unit(None, data.get("method")):
+            return {**data, "unit": "block"}
         return data
 
     @model_validator(mode="after")
@@ -449,9 +456,7 @@ def job_defaults(data: dict) -> dict:
         spec = None  # the field's own validator names the problem
     if spec is not None and spec.is_self:
         scoring = data.get("scoring") or {}
-        method = scoring.get("method")
-        blocks = isinstance(method, str) and METHOD_ALIASES.get(method, method) in BLOCK_ONLY_METHODS
-        unit = scoring.get("unit") or ("block" if blocks else None)  # as ScoringSettings infers it
+        unit = implied_unit(scoring.get("unit"), scoring.get("method"))  # as ScoringSettings infers it
         for group, defaults in own_text_defaults(unit).items():
             data[group] = {**defaults, **(data.get(group) or {})}
     evaluation = dict(data.get("evaluation") or {})

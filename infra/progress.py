@@ -13,6 +13,8 @@ import os
 import time
 from typing import Literal
 
+from infra.memory import peak_bytes
+
 Mode = Literal["bar", "log", "off"]
 
 #: the logger of stage lines: what a person follows on the console (pipprune.commands.console shows it)
@@ -71,8 +73,6 @@ class StageClock:
 
     def lap(self, name: str) -> None:
         """The time since the previous lap (or the start) belongs to stage `name` (added to it when repeated)."""
-        from infra.memory import peak_bytes
-
         now = time.monotonic()
         self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self.last, 2)
         self.peaks[name] = peak_bytes()
