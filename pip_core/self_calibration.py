@@ -21,25 +21,33 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import DynamicCache, PreTrainedTokenizerBase
+from transformers import Cache, DynamicCache, PreTrainedTokenizerBase, StaticCache
 
 from pip_core.errors import CalibrationError
 from pip_core.perturb import single_edits
-from pip_core.precision import cpu_bf16_autocast
+from pip_core.precision import cpu_bf16_weights
 from pip_core.serving import _cache_name
 from pip_core.wordlist import WORD, WordList
 
 #: markers a byte-level BPE (GPT-2, Llama 3, SmolLM) or SentencePiece vocabulary puts before a word-initial token
 WORD_START = ("Ġ", "▁")
-#: the nucleus is cut from this many most probable tokens; a row whose nucleus is wider sorts its whole vocabulary
+#: the nucleus is cut from the most probable tokens, this many, then (for the rows whose nucleus is wider) 8x as
+#: many, and so on; only a row whose nucleus is wider than the last sorts its whole vocabulary. Sampled SmolLM2-135M
+#: texts: about half the rows' nuclei are wider than 512 tokens, 1% wider than 4,096 (a top-k of 4,096 over one
+#: row costs a quarter of a full sort, and a sort of 221 rows' 49k probabilities took 117 ms of a 550 ms step)
 NUCLEUS_TOP_K = 512
+NUCLEUS_WIDENING, NUCLEUS_WIDENINGS = 8, 2
 #: fp32 copies of a row's logits alive at once in a decode step (logits, probabilities, their log-sum-exp, top-k)
 LOGIT_COPIES = 4
 #: the share of sampled texts the first loop expects to keep (length and repetition filters), and the least
 #: share a later loop assumes; each loop asks for `MARGIN` times the rows that share says are missing
 FIRST_KEEP_RATE, MIN_KEEP_RATE, MARGIN = 0.9, 0.1, 1.1
+#: bumped whenever the same options and model draw other texts (a cache of sampled texts names it)
+SAMPLER_REVISION = 2
 #: decode loops before giving up on a model that keeps ending its texts too early or looping
 MAX_LOOPS = 8
+#: ended rows stay in the static cache (decoded, their tokens ignored) until they are this share of its rows
+COMPACT_SHARE = 8
 
 
 @dataclass(frozen=True)
@@ -69,9 +77,12 @@ class SamplingOptions:
     #: the most memory one decode loop's state (KV cache, logits) may take, in MiB: it sets the loop's batch from
     #: the model's cache bytes per token, so it is deterministic for a model and options; another bound gives other
     #: texts for the same seed (other batches, other rounding)
-    memory_mib: int = 2048
-    #: sample under bf16 autocast where the model is fp32 on a CPU with native bf16 (avx512_bf16, AMX): 1.45x the
-    #: tokens per CPU-second on SmolLM2-135M (one thread, 128 rows). The texts then depend on it, and on the CPU
+    #: (512 MiB: SmolLM2-135M's 144 texts in two loops of 138 rows, 53 s on 2 cores, where one loop of 221 rows
+    #: took 55 s and 0.28 GiB more)
+    memory_mib: int = 512
+    #: sample on bf16 copies of the weights (`pip_core.precision.cpu_bf16_weights`) where the model is fp32 on a CPU
+    #: with native bf16 (avx512_bf16, AMX): SmolLM2-135M's 221 rows in 55 s against 83 s under autocast, which
+    #: casted every weight and the whole KV cache at every step. The texts then depend on it, and on the CPU
     #: having bf16: False samples in the model's own precision everywhere
     cpu_bf16: bool = True
     #: a progress bar over each loop's decode steps
@@ -119,20 +130,38 @@ def stop_tokens(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> tuple[i
 
 
 def nucleus_sample(logits: torch.Tensor, u: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
-                   top_k: int = NUCLEUS_TOP_K) -> torch.Tensor:
+                   top_k: int = NUCLEUS_TOP_K, with_logp: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per row of `logits`, the token at quantile `u` (uniform in [0, 1)) of its nucleus: the fewest most probable
     tokens that hold `top_p` of the probability at `temperature`. The nucleus is cut from the `top_k` most probable
-    tokens where they hold it; only the rows where they do not sort their whole vocabulary (a sort of 49k
-    probabilities per row and step cost more than the forward of a small model)."""
-    probs = (logits / temperature).softmax(-1)
+    tokens where they hold it, from `NUCLEUS_WIDENING` times as many for the rows where they do not, and so on; only
+    the rows wider than the last widening sort their whole vocabulary. The pick is the same whichever cut finds it.
+    `with_logp`: also the model's own log-probability of each pick (at temperature 1)."""
+    probs = (logits if temperature == 1 else logits / temperature).softmax(-1)
+    picked = _nucleus_pick(probs, u, top_p, top_k)
+    if not with_logp:
+        return picked
+    if temperature == 1:  # the probabilities at hand are the model's own: no second pass over the vocabulary
+        return picked, probs.gather(-1, picked[:, None])[:, 0].log()
+    return picked, logits.gather(-1, picked[:, None])[:, 0] - logits.logsumexp(-1)
+
+
+def _nucleus_pick(probs: torch.Tensor, u: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     if top_p >= 1:
         return _at_quantile(probs, None, u, 1.0)
-    top, order = probs.topk(min(top_k, probs.shape[-1]), -1)
-    picked = _at_quantile(top, order, u, top_p)
-    wide = top.sum(-1) < top_p
-    if wide.any():
-        full, full_order = probs[wide].sort(-1, descending=True)
-        picked[wide] = _at_quantile(full, full_order, u[wide], top_p)
+    picked = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    for widening in range(NUCLEUS_WIDENINGS + 1):
+        k = top_k * NUCLEUS_WIDENING ** widening
+        if k >= probs.shape[-1]:
+            break
+        top, order = probs[rows].topk(k, -1)
+        held = top.sum(-1) >= top_p
+        picked[rows[held]] = _at_quantile(top[held], order[held], u[rows[held]], top_p)
+        rows = rows[~held]
+        if not rows.numel():
+            return picked
+    full, full_order = probs[rows].sort(-1, descending=True)
+    picked[rows] = _at_quantile(full, full_order, u[rows], top_p)
     return picked
 
 
@@ -152,58 +181,72 @@ def decode(model: nn.Module, start: int, stop: Sequence[int], rows: int, options
     fewer), seeded by `options.seed` and `loop`. A row leaves the batch when it emits a `stop` token; each row draws
     its own uniform per step, so its text does not depend on when the others end (up to the rounding of the
     batch). Call under inference mode with the model in eval mode."""
-    with cpu_bf16_autocast(model, options.cpu_bf16):
+    with cpu_bf16_weights(model, options.cpu_bf16):
         return _decode(model, start, stop, rows, options, loop)
 
 
 def _decode(model: nn.Module, start: int, stop: Sequence[int], rows: int, options: SamplingOptions,
             loop: int) -> list[Sample]:
     device = next(model.parameters()).device
-    cache = DynamicCache(config=model.config)
-    logits = _next_logits(model, torch.tensor([start], device=device), cache)  # every row starts the same
-    rows = min(rows, _rows_within(cache, logits.shape[-1], options))
-    cache.batch_repeat_interleave(rows)
-    logits = logits.expand(rows, -1)
+    probe = DynamicCache(config=model.config)  # one row's cache: its bytes per token, whatever the family and dtype
+    vocab = _next_logits(model, torch.tensor([start], device=device), probe).shape[-1]
+    rows = min(rows, _rows_within(probe, vocab, options))
+    del probe
+    # a static cache: written in place, where a dynamic one concatenates (copies) every layer's cache every step
+    cache = StaticCache(config=model.config, max_cache_len=options.new_tokens)
+    logits = _next_logits(model, torch.full((rows,), start, device=device), cache)
     generator = torch.Generator(device=device).manual_seed(options.seed * 100_003 + loop)
     stop = torch.tensor(list(stop), dtype=torch.long, device=device)
     tokens = torch.zeros(rows, options.new_tokens, dtype=torch.long, device=device)
     length = torch.full((rows,), options.new_tokens, device=device)
     nll = torch.zeros(rows, dtype=torch.float64, device=device)
-    live = torch.arange(rows, device=device)
+    batch = torch.arange(rows, device=device)  # the sample each row of the cache decodes
+    live = torch.ones(rows, dtype=torch.bool, device=device)  # the cache's rows whose sample has not ended
     bar = tqdm(total=options.new_tokens, desc=f"sampling {rows} calibration texts", unit="token",
                disable=not options.progress)
     for step in range(options.new_tokens):
-        u = torch.rand(rows, generator=generator, device=device)[live]
-        picked = nucleus_sample(logits, u, options.temperature, options.top_p)
+        u = torch.rand(rows, generator=generator, device=device)[batch[live]]
+        picked, logp = nucleus_sample(logits[live], u, options.temperature, options.top_p, with_logp=True)
         ended = torch.isin(picked, stop)
-        tokens[live, step] = picked
-        logp = logits.gather(-1, picked[:, None])[:, 0] - logits.logsumexp(-1)
-        nll[live] -= torch.where(ended, 0.0, logp).double()
-        length[live[ended]] = step
+        mine = batch[live]
+        tokens[mine, step] = picked
+        nll[mine] -= torch.where(ended, 0.0, logp).double()
+        length[mine[ended]] = step
         bar.update()
-        if ended.any():
-            keep = (~ended).nonzero()[:, 0]
-            live, picked = live[keep], picked[keep]
-            cache.batch_select_indices(keep)
-        if not live.numel() or step + 1 == options.new_tokens:
+        live[live.clone()] = ~ended
+        if not live.any() or step + 1 == options.new_tokens:
             break
-        logits = _next_logits(model, picked, cache)
+        if (~live).sum() * COMPACT_SHARE >= live.numel():  # drop the ended rows from the cache, a share at a time
+            _keep_rows(cache, live.nonzero()[:, 0])
+            batch, live = batch[live], live[live]
+        feed = torch.zeros(live.numel(), dtype=torch.long, device=device)
+        feed[live] = picked[~ended]
+        logits = _next_logits(model, feed, cache)
     bar.close()
     lengths = length.tolist()
     return [Sample(tuple(row[:k]), k < options.new_tokens, total / k if k else math.inf)
             for row, k, total in zip(tokens.tolist(), lengths, nll.tolist(), strict=True)]
 
 
-def _next_logits(model: nn.Module, tokens: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+def _keep_rows(cache: StaticCache, keep: torch.Tensor) -> None:
+    """Only the rows `keep` in every layer of a static cache (one copy of it, where a dynamic cache copies itself
+    every step)."""
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False):
+            layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+            layer.batch_size = int(keep.numel())
+
+
+def _next_logits(model: nn.Module, tokens: torch.Tensor, cache: Cache) -> torch.Tensor:
     """fp32 logits of the next token of every row, after `tokens` (one per row) appended to `cache`."""
     return model(input_ids=tokens[:, None], use_cache=True, **{_cache_name(model): cache}).logits[:, -1].float()
 
 
-def _rows_within(cache: DynamicCache, vocab: int, options: SamplingOptions) -> int:
+def _rows_within(cache: Cache, vocab: int, options: SamplingOptions) -> int:
     """Rows of a decode loop whose state fits `options.memory_mib`: each row's KV cache (its bytes per token read
     from the one-token cache of one row, whatever the family and dtype) and its fp32 logits."""
     per_token = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
-    per_row = per_token * (1 + options.new_tokens) + LOGIT_COPIES * 4 * vocab
+    per_row = per_token * options.new_tokens + LOGIT_COPIES * 4 * vocab
     return max(1, options.memory_mib * 2**20 // per_row)
 
 

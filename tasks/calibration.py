@@ -47,11 +47,18 @@ def _mix_key(context: TaskRunContext, parameters: dict) -> str:
 
 
 def _sampling_place(model: ModelRef, runtime: RuntimeSettings, max_length: int) -> list[str]:
-    """[device, dtype] the model is loaded on to sample (`runtime`'s "auto" resolved)."""
+    """[device, dtype, precision, sampler revision]: where and how the model samples (`runtime`'s "auto" resolved);
+    the texts depend on each."""
+    import torch
+
+    from pip_core.precision import weights_precision_name
+    from pip_core.self_calibration import SAMPLER_REVISION
     from tasks.models import placement_for
 
     placement = placement_for(model, runtime, max_length)
-    return [str(placement.device), str(placement.dtype)]
+    device, dtype = torch.device(placement.device), getattr(torch, placement.dtype)
+    return [str(placement.device), str(placement.dtype), weights_precision_name(device.type, dtype),
+            f"sampler {SAMPLER_REVISION}"]
 
 
 def _self_sampler(model: ModelRef, runtime: RuntimeSettings, settings: CalibrationSettings,
