@@ -300,7 +300,11 @@ class CompressConfig(BaseModel):
                          "(short for --target ratio=R)")
     target: str | None = Field(None, description="budget: params=N (at most N parameters, e.g. 3e9), memory=SIZE "
                                "(weights in the output dtype + the KV cache at --serve-context/--serve-batch, e.g. "
-                               "24GiB) or ratio=R; planned from config.json before any weights are read")
+                               "24GiB), ratio=R or layers=R (a share of the decoder layers' parameters alone); "
+                               "planned from config.json before any weights are read")
+    allow_deep_cut: bool = Field(False, description="run a target that takes more than half of the decoder layers' "
+                                 "parameters (or of their MLP channels, KV groups or number); without it such a "
+                                 "target stops before any work, naming the alternatives")
     seed: int = Field(0, description="seed of sampling, perturbation and random scores")
     calibration: CalibrationSettings
     scoring: ScoringSettings = ScoringSettings()

@@ -144,12 +144,14 @@ def dequantize_to_dir(source: GgufSource, out: Path) -> Path:
         config.quantization_config = None  # transformers refuses to save a model it marks as GGUF-quantized
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+        with torch.device("meta"):  # the plain model takes the loaded tensors themselves: no second copy of them
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False, assign=True)
         missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
         if missing or unexpected:
             raise GgufError(f"{name}: dequantized weights do not fit the {source.model_type} layout "
                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        plain.tie_weights()
         del loaded
         plain.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)

@@ -7,9 +7,13 @@ half-written run behind.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from infra.config import BUILTIN_CLOZE_TASK, CompressConfig
 from infra.settings import Settings
+
+if TYPE_CHECKING:
+    from pip_core.budget import BudgetPlan
 
 
 class PreflightError(ValueError):
@@ -20,8 +24,9 @@ class ServiceUnreachable(PreflightError):
     """A service (S3, MLflow, Prefect) did not answer: not the input's fault (exit code 3, not 2)."""
 
 
-def check_inputs(config: CompressConfig) -> None:
-    """Model directory, architecture, tokenizer, calibration file, memory: all before any work."""
+def check_inputs(config: CompressConfig) -> BudgetPlan:
+    """Model directory, architecture, tokenizer, calibration file, budget, memory: all before any work. Returns
+    the budget's plan (what the target takes from the decoder layers is said before the run starts)."""
     from infra.calibration import CalibrationSource, load_calibration
     from infra.model_source import local_model_dir
     from pip_core import io as core_io
@@ -40,7 +45,7 @@ def check_inputs(config: CompressConfig) -> None:
                   if config.evaluation.include_path or t != BUILTIN_CLOZE_TASK)
     if named:
         check_eval_tasks(named, config.evaluation.include_path)
-    check_budget(config, model_config)  # from config.json alone: an infeasible target reads no weights
+    budget = check_budget(config, model_config)  # from config.json alone: an infeasible target reads no weights
     check_weights_intact(local)
     core_io.check_weights(local, model_config)
     placement = plan_placement(model_config, config.runtime.device, config.runtime.dtype,
@@ -48,17 +53,22 @@ def check_inputs(config: CompressConfig) -> None:
     if not placement.fits:
         raise PreflightError(f"{config.model} {placement.describe()} ({placement.plan.weights / 2**30:.1f} GiB "
                              "weights); see `pipprune plan`")
+    return budget
 
 
-def check_budget(config: CompressConfig, model_config: dict) -> None:
-    """Refuse a target the run cannot meet, naming the nearest feasible one (pip_core.budget)."""
-    from infra.budgeting import plan_for, refusal
+def check_budget(config: CompressConfig, model_config: dict) -> BudgetPlan:
+    """Refuse a target the run cannot meet, naming the nearest feasible one (pip_core.budget), and one that guts
+    the decoder layers unless the config confirms it (`allow_deep_cut`); the plan otherwise."""
+    from infra.budgeting import deep_cut_refusal, plan_for, refusal
     from pip_core.budget import BudgetError
 
     try:
-        plan_for(config, model_config)
+        plan = plan_for(config, model_config)
     except BudgetError as exc:
         raise PreflightError(refusal(exc)) from None
+    if plan.body.deep and not config.allow_deep_cut:
+        raise PreflightError(deep_cut_refusal(plan))
+    return plan
 
 
 def _check_health(url: str, name: str, setting: str) -> None:

@@ -29,7 +29,10 @@ from pip_core.schedule import plan as linear_plan
 from pip_core.schedule import step_spec
 from pip_core.vocabulary import KINDS, MAX_RATIO
 
-TARGET_KINDS = ("params", "memory", "ratio")
+TARGET_KINDS = ("params", "memory", "ratio", "layers")
+#: past this share of the decoder layers' parameters (or of a kind's units: MLP channels, KV groups, blocks) a
+#: target guts the layers, and a run asks the user to confirm it (`BodyCut.deep`)
+DEEP_CUT = 0.5
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
 _COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _BYTE_SUFFIX = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -53,27 +56,28 @@ class Target:
 
     @classmethod
     def parse(cls, text: str) -> Target:
-        """`params=3e9`, `params=350M`, `memory=24GiB`, `memory=500MB`, `ratio=0.2`."""
+        """`params=3e9`, `params=350M`, `memory=24GiB`, `memory=500MB`, `ratio=0.2`, `layers=0.2` (a share of the
+        decoder layers' parameters alone: the embeddings and the head, which pruning keeps, do not count)."""
         kind, sep, raw = str(text).strip().partition("=")
         kind, raw = kind.strip().lower(), raw.strip().replace("_", "").replace(",", "")
         if not sep or kind not in TARGET_KINDS:
             raise PipCoreError(f"target {text!r} is not KIND=VALUE with KIND one of {', '.join(TARGET_KINDS)} "
                                "(e.g. params=3e9, memory=24GiB, ratio=0.2)")
-        suffixes = {"params": _COUNT_SUFFIX, "memory": _BYTE_SUFFIX, "ratio": {"": 1}}[kind]
+        suffixes = {"params": _COUNT_SUFFIX, "memory": _BYTE_SUFFIX, "ratio": {"": 1}, "layers": {"": 1}}[kind]
         match = re.fullmatch(_NUMBER + r"\s*([A-Za-z]*)", raw)
         if not match or match.group(2).lower() not in suffixes:
             units = ", ".join(s for s in suffixes if s) or "no unit"
             raise PipCoreError(f"target {text!r}: {raw!r} is not a number with an optional unit ({units})")
         value = float(match.group(1)) * suffixes[match.group(2).lower()]
-        if kind == "ratio" and not 0.0 < value <= MAX_RATIO:
-            raise PipCoreError(f"target {text!r}: ratio must be in (0, {MAX_RATIO}]")
+        if kind in ("ratio", "layers") and not 0.0 < value <= MAX_RATIO:
+            raise PipCoreError(f"target {text!r}: {kind} must be in (0, {MAX_RATIO}]")
         if value <= 0 or not math.isfinite(value):
             raise PipCoreError(f"target {text!r}: the value must be positive")
         return cls(kind, value)
 
     def __str__(self) -> str:
-        if self.kind == "ratio":
-            return f"ratio={self.value:g}"
+        if self.kind in ("ratio", "layers"):
+            return f"{self.kind}={self.value:g}"
         if self.kind == "memory":
             return f"memory={format_bytes(self.value)}"
         return f"params={int(self.value)}"
@@ -158,6 +162,44 @@ class Serving:
 
 
 @dataclass(frozen=True)
+class BodyCut:
+    """What a plan takes from the decoder layers, the only part pruning removes: a ratio of the whole model is a
+    larger share of the layers where the embeddings are a large part of it (a 262k vocabulary: 63% of a 270M model,
+    so 20% of the model is 54% of its layers)."""
+
+    layers_before: int
+    layers_after: int
+    params_before: int  # all decoder layers' parameters
+    params_after: int
+    kv_heads_before: int
+    kv_heads_after: int
+    mlp_before: int
+    mlp_after: int
+    #: widths differ per layer: the kinds' figures are the plan's average
+    averaged: bool
+
+    @property
+    def removed(self) -> float:
+        """The share of the decoder layers' parameters removed."""
+        return 1 - self.params_after / self.params_before
+
+    @property
+    def deep(self) -> bool:
+        """Whether the layers lose more than `DEEP_CUT` of their parameters, of their MLP channels, of their KV
+        groups or of their number."""
+        kept = (self.layers_after / self.layers_before, self.kv_heads_after / self.kv_heads_before,
+                self.mlp_after / self.mlp_before)
+        return self.removed > DEEP_CUT or min(kept) < 1 - DEEP_CUT
+
+    def describe(self) -> str:
+        about = "about " if self.averaged else ""
+        kinds = (f"{self.layers_after} of {self.layers_before} layers" if self.layers_after != self.layers_before
+                 else f"the MLP keeps {about}{self.mlp_after:,} of {self.mlp_before:,} channels, attention "
+                      f"{about}{self.kv_heads_after} of {self.kv_heads_before} KV groups")
+        return f"{self.removed:.0%} of the decoder layers' parameters ({kinds})"
+
+
+@dataclass(frozen=True)
 class BudgetPlan:
     """The target, what the run will reach, and the step-by-step schedule that reaches it."""
 
@@ -178,6 +220,7 @@ class BudgetPlan:
     memory_after: int
     kv_cache_after: int
     exact: bool
+    body: BodyCut
     steps: list[StepPlan] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -186,7 +229,13 @@ class BudgetPlan:
         return (self.params_before - self.params_after) / self.params_before
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "achieved_ratio": self.achieved_ratio}
+        return {**asdict(self), "achieved_ratio": self.achieved_ratio,
+                "body": {**asdict(self.body), "removed": self.body.removed, "deep": self.body.deep}}
+
+    def largest_shallow_ratio(self) -> float:
+        """The largest whole-model ratio that removes at most `DEEP_CUT` of the decoder layers' parameters (two
+        decimals, rounded down): what to offer a user whose target is `body.deep`."""
+        return math.floor(DEEP_CUT * self.body.params_before / self.params_before * 100) / 100
 
 
 
@@ -306,12 +355,14 @@ def plan_budget(config: dict, target: Target | str, selection: rules.Selection =
         raise BudgetError(f"nothing can be removed from {what}: {arch.layers} layers with protect_first="
                           f"{protect_first} and protect_last={protect_last} leave no unit to prune; lower "
                           "--protect-first/--protect-last or prune width units")
-    if target.kind == "ratio":
-        to_remove = round(target.value * total)
+    body_total = dense.layers * planner.block_params(dense)
+    if target.kind in ("ratio", "layers"):
+        to_remove = round(target.value * (total if target.kind == "ratio" else body_total))
         if to_remove > limit:
             raise BudgetError(f"target {target} is infeasible for {what}: at most {limit:,} parameters can be removed "
                               f"({limit / total:.4f}) while every layer keeps a unit of each kind and protected layers "
-                              f"stay whole", nearest=f"ratio={math.floor(limit / total * 1e4) / 1e4:g}")
+                              f"stay whole", nearest=f"{target.kind}="
+                                                   f"{math.floor(limit / (total if target.kind == 'ratio' else body_total) * 1e4) / 1e4:g}")
     elif target.kind == "params":
         if target.value >= total:
             raise BudgetError(f"target {target} is not below the {total:,} parameters {arch.model_type} already has; "
@@ -341,6 +392,8 @@ def plan_budget(config: dict, target: Target | str, selection: rules.Selection =
         params_before=total, params_after=final.num_params, ratio=to_remove / total,
         granularity=planner.granularity(dense), memory_before=planner.memory(dense), memory_after=planner.memory(final),
         kv_cache_after=planner.kv_cache(final), exact=unit == "block" or planner.uniform,
+        body=BodyCut(dense.layers, final.layers, body_total, body_total - (total - final.num_params), dense.kv_heads,
+                     final.kv_heads, dense.intermediate, final.intermediate, averaged=not (unit == "block" or planner.uniform)),
         steps=[StepPlan(i, cumulative, budget, s.num_params, s.layers, s.kv_heads, s.intermediate, planner.memory(s))
                for i, (cumulative, budget, s) in enumerate(steps, start=1)],
         notes=notes)

@@ -189,6 +189,13 @@ def _teacher_side(teacher: nn.Module | TeacherOutputs, ids: torch.Tensor,
     return hidden, t_head, t_cap, int(teacher.config.vocab_size)
 
 
+def kd_chunk_tokens(student: nn.Module, batch: int) -> int:
+    """The positions per slice `kd_loss` takes when not told (a slice holds two models' logits for `batch` rows);
+    what a memory plan of the training must count, not the whole sequence."""
+    head = _head(student)[1].weight
+    return chunk_tokens_for(head.shape[0], 2 * batch, head.numel() * head.element_size())
+
+
 def kd_loss(student: nn.Module, teacher: nn.Module | TeacherOutputs, ids: torch.Tensor, mask: torch.Tensor,
             temperature: float = 1.0, chunk_tokens: int | None = None) -> torch.Tensor:
     """Mean over predicted (unpadded) tokens of T^2 * KL(softmax(z_t / T) || softmax(z_s / T)), in float32.
@@ -202,8 +209,7 @@ def kd_loss(student: nn.Module, teacher: nn.Module | TeacherOutputs, ids: torch.
         raise PipCoreError(f"vocabularies differ: student {student.config.vocab_size}, teacher {t_vocab}")
     s_base, s_head, s_cap = _head(student)
     if chunk_tokens is None:
-        chunk_tokens = chunk_tokens_for(s_head.weight.shape[0], 2 * ids.shape[0],
-                                        s_head.weight.numel() * s_head.weight.element_size())
+        chunk_tokens = kd_chunk_tokens(student, ids.shape[0])
     if chunk_tokens < 1:
         raise PipCoreError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     valid = mask[:, 1:].to(torch.float32)

@@ -26,7 +26,7 @@ from infra.calibration import load_calibration
 from infra.config import RecoverySettings, RuntimeSettings
 from infra.memory import resident_bytes
 from pip_core import io as core_io
-from pip_core.distill import TeacherOutputs
+from pip_core.distill import TeacherOutputs, kd_chunk_tokens
 from pip_core.memory_plan import available_bytes, plan_training
 from pip_core.recompute import activation_checkpointing
 from pip_core.recovery import RecoveryOptions, kd_teacher_outputs, lora_params, recover_kd, recover_lora
@@ -145,7 +145,9 @@ def checkpointed_layers(net: Any, model: ModelRef, dense: ModelRef, runtime: Run
     """
     placement = placement_for(model, runtime, options.max_length, loaded=True)
     config = core_io.read_config(ensure_local(model))
-    chunk = options.chunk_tokens if kind == "kd" else options.max_length  # the LM loss takes whole logits
+    # the LM loss takes whole logits; KD's slices are those kd_loss takes (not the whole sequence: the plan then
+    # counted 1.3 GiB of logits for SmolLM2-135M's 16-position slices of 0.16 GiB, and checkpointed nothing)
+    chunk = (options.chunk_tokens or kd_chunk_tokens(net, options.batch_size)) if kind == "kd" else options.max_length
     full = kind == "kd" and options.kd_params == "full"
     trained = core_io.param_count(net) if full else lora_params(net, options.rank)
     plan = plan_training(config, placement.dtype, options.batch_size, options.max_length, trained, chunk)

@@ -39,6 +39,8 @@ def workdir(tmp_path_factory) -> Path:
     (root / "binary.jsonl").write_bytes(b"\x00\x01\x02\x03 junk")
     (root / "schema.jsonl").write_text(json.dumps({"body": TEXT}) + "\n")
     (root / "unknown-key.yaml").write_text(f"model: {root / 'llama'}\ncalibration: {root / 'good.jsonl'}\nratoi: 0.2\n")
+    (root / "deep.yaml").write_text(f"model: {root / 'llama'}\ncalibration: {root / 'good.jsonl'}\nratio: 0.4\n"
+                                    "unit: width\nmethod: magnitude\nprotect_first: 0\nprotect_last: 0\n")
     (root / "nan.yaml").write_text(f"model: {root / 'llama'}\ncalibration: {root / 'good.jsonl'}\nratio: .nan\n")
     return root
 
@@ -61,6 +63,8 @@ CASES = {
     "ratio negative": (lambda w: compress(w, "--ratio", "-0.2"), "ratio"),
     "ratio NaN": (lambda w: compress(w, "--ratio", "nan"), "ratio"),
     "iterations 0": (lambda w: compress(w, "--iterations", "0"), "iterations"),
+    "ratio that guts the layers": (lambda w: ["compress", "--config", str(w / "deep.yaml")],
+                                   "of the decoder layers' parameters"),
     "unknown unit": (lambda w: compress(w, "--unit", "neurons"), "unit"),
     "unknown method": (lambda w: compress(w, "--method", "wanda"), "method"),
     "block influence on mlp": (lambda w: compress(w, "--method", "block-influence", "--unit", "mlp"), "block"),

@@ -33,7 +33,7 @@ def _prune(model, plan, kind, tokenizer):
 
 @pytest.mark.parametrize("text, kind, value", [("params=3e9", "params", 3e9), ("params=350M", "params", 350e6),
                                                ("memory=24GiB", "memory", 24 * 2**30), ("memory=500MB", "memory", 5e8),
-                                               ("ratio=0.2", "ratio", 0.2)])
+                                               ("ratio=0.2", "ratio", 0.2), ("layers=0.3", "layers", 0.3)])
 def test_targets_parse(text, kind, value):
     target = Target.parse(text)
     assert (target.kind, target.value) == (kind, pytest.approx(value))
@@ -207,3 +207,64 @@ def test_pipprune_plan_and_a_run_remove_the_same_amount_for_every_unit_kind(tiny
                                      seed=config.seed, progress=False)
     assert [s.num_params for s in run.steps] == [s["num_params"] for s in planned["steps"]]
     assert run.params_after == planned["params_after"]
+
+
+#: a model whose tied embedding is most of it (as a 262k vocabulary makes a 270M model's): 20% of it guts its layers
+VOCAB_HEAVY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 8000, "hidden_size": 32,
+               "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "tie_word_embeddings": True}
+WHOLE = {"align": 1, "protect_first": 0, "protect_last": 0}
+
+
+@pytest.mark.parametrize("unit", ["width", "mlp", "block"])
+def test_a_ratio_is_said_as_the_share_of_the_decoder_layers_it_takes(unit):
+    plan = plan_budget(VOCAB_HEAVY, "ratio=0.2", Selection(unit=unit, width_mode="uniform", **WHOLE))
+    body = plan.body
+    embedding = 8000 * 32
+    assert body.params_before == plan.params_before - embedding - 32  # the layers: all but embedding and final norm
+    assert body.params_before - body.params_after == plan.params_before - plan.params_after  # the layers pay for all
+    assert body.removed > 0.5 and body.deep and "of the decoder layers' parameters" in body.describe()
+    assert plan.as_dict()["body"]["deep"] is True
+    shallow = plan_budget(VOCAB_HEAVY, f"ratio={plan.largest_shallow_ratio()}", Selection(unit=unit, **WHOLE))
+    assert shallow.body.removed <= 0.5
+
+
+def test_a_target_over_the_layers_alone_takes_that_share_of_them():
+    plan = plan_budget(VOCAB_HEAVY, "layers=0.2", Selection(unit="mlp", width_mode="uniform", **WHOLE))
+    assert plan.target == "layers=0.2" and plan.body.removed == pytest.approx(0.2, abs=0.02) and not plan.body.deep
+    assert plan.achieved_ratio < 0.1  # a fifth of the layers is well under a tenth of this model
+    with pytest.raises(BudgetError) as err:
+        plan_budget(VOCAB_HEAVY, "layers=0.9", Selection(unit="mlp", **WHOLE))
+    assert err.value.nearest.startswith("layers=")
+
+
+def test_a_target_that_guts_the_layers_stops_before_any_work_unless_confirmed(tmp_path):
+    """The preflight (compress, its config file, each sweep point) refuses it naming the ways out; the config's
+    `allow_deep_cut` confirms it."""
+    from infra.config import CompressConfig
+    from infra.preflight import PreflightError, check_budget
+
+    config = CompressConfig(model="some/model", calibration="self", ratio=0.2,
+                            scoring={"method": "magnitude", "unit": "mlp", **WHOLE})
+    with pytest.raises(PreflightError) as err:
+        check_budget(config, VOCAB_HEAVY)
+    message = str(err.value)
+    assert "of the decoder layers' parameters" in message and "embeddings" in message
+    assert "--ratio 0." in message and "--target layers=" in message and "--allow-deep-cut" in message
+    assert check_budget(config.model_copy(update={"allow_deep_cut": True}), VOCAB_HEAVY).body.deep
+    assert not check_budget(config.model_copy(update={"ratio": 0.05}), VOCAB_HEAVY).body.deep
+
+
+def test_plan_says_what_the_target_takes_from_the_layers(tmp_path):
+    import os
+
+    from tests.helpers import cli
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(VOCAB_HEAVY))
+    result = cli(dict(os.environ), "plan", "--model", str(path), "--unit", "mlp", "--ratio", "0.2", "--align", "1",
+                 "--protect-first", "0", "--protect-last", "0", timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    assert "decoder layers: the target takes" in out and "compress stops before any work here" in out
+    assert "--allow-deep-cut" in out

@@ -148,12 +148,13 @@ def check_out(out: Path | None, overwrite: bool) -> str | None:
         fail(str(exc))
 
 
-def check_inputs(cfg) -> None:  # noqa: ANN001
-    """Model, weights, tokenizer, calibration, evaluation tasks: before any server is started or contacted."""
+def check_inputs(cfg):  # noqa: ANN001, ANN201 - CompressConfig -> BudgetPlan, imported where used
+    """Model, weights, tokenizer, calibration, evaluation tasks, budget: before any server is started or contacted.
+    The budget's plan."""
     from infra.preflight import PreflightError, check_inputs
 
     try:
-        check_inputs(cfg)
+        return check_inputs(cfg)
     except (PreflightError, ValueError, OSError) as exc:
         fail(str(exc))
 

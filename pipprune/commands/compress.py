@@ -60,6 +60,7 @@ def compress(
     max_kl: Optional[float] = typer.Option(None, help=config_help("evaluation.max_kl")),
     max_ppl_ratio: Optional[float] = typer.Option(None, help=config_help("evaluation.max_ppl_ratio")),
     min_distinct_ratio: Optional[float] = typer.Option(None, help=config_help("evaluation.min_distinct_ratio")),
+    allow_deep_cut: Optional[bool] = typer.Option(None, "--allow-deep-cut", help=config_help("allow_deep_cut")),
     auto_stack: Optional[bool] = typer.Option(None, "--auto-stack/--no-auto-stack",
                                               help="start the embedded stack if it is down [default: "
                                                    "PIPPRUNE_AUTO_STACK, true]"),
@@ -85,10 +86,11 @@ def compress(
             serve_batch=serve_batch, method=method, iterations=iterations,
             wordlist=wordlist, n_samples=n_samples, seed=seed, eval_limit=eval_limit, registered_model_name=name,
             device=device, dtype=dtype, max_kl=max_kl, max_ppl_ratio=max_ppl_ratio,
-            min_distinct_ratio=min_distinct_ratio,
+            min_distinct_ratio=min_distinct_ratio, allow_deep_cut=allow_deep_cut,
             recovery=_recovery_options(recovery_steps, recovery)))
         out_dir = check_out(out, overwrite)
-        check_inputs(cfg)
+        budget = check_inputs(cfg)
+        progress.stage(f"budget: {budget.target} takes {budget.body.describe()}")
         settings = runtime(auto_stack)
         summary = _run_compress(cfg, out_dir, overwrite)
         if console.log_path is not None:  # the summary as JSON beside the log, for scripts that read a plain run

@@ -118,6 +118,11 @@ def _print_budget(plan) -> None:  # noqa: ANN001 - rich output only
                   f"{format_bytes(plan.memory_after)} ({plan.dtype}"
                   + (f", KV cache {format_bytes(plan.kv_cache_after)}" if plan.kv_cache_after else "") + ")"
                   + ("" if plan.exact else " [per-layer widths: the figure is the target rounded to one unit]"))
+    console.print(f"decoder layers: the target takes {plan.body.describe()}")
+    if plan.body.deep:
+        from infra.budgeting import deep_cut_refusal
+
+        console.print(f"[bold red]compress stops before any work here:[/] {deep_cut_refusal(plan)}")
     table = Table(title="schedule")
     for col in ("step", "cumulative ratio", "budget (params)", "parameters after", "layers", "KV heads",
                 "MLP width", "memory"):
