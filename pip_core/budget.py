@@ -359,10 +359,10 @@ def plan_budget(config: dict, target: Target | str, selection: rules.Selection =
     if target.kind in ("ratio", "layers"):
         to_remove = round(target.value * (total if target.kind == "ratio" else body_total))
         if to_remove > limit:
+            of = total if target.kind == "ratio" else body_total
             raise BudgetError(f"target {target} is infeasible for {what}: at most {limit:,} parameters can be removed "
                               f"({limit / total:.4f}) while every layer keeps a unit of each kind and protected layers "
-                              f"stay whole", nearest=f"{target.kind}="
-                                                   f"{math.floor(limit / (total if target.kind == 'ratio' else body_total) * 1e4) / 1e4:g}")
+                              f"stay whole", nearest=f"{target.kind}={math.floor(limit / of * 1e4) / 1e4:g}")
     elif target.kind == "params":
         if target.value >= total:
             raise BudgetError(f"target {target} is not below the {total:,} parameters {arch.model_type} already has; "

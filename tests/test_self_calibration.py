@@ -116,7 +116,8 @@ def test_every_batched_sample_is_a_valid_sample_with_its_own_perplexity(tok, mod
 def test_the_memory_bound_sets_the_rows_of_a_loop(tok, model):  # noqa: F811
     options = SamplingOptions(n=1, new_tokens=24, memory_mib=1, cpu_bf16=False, progress=False)
     config = model.config
-    cache_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 24  # a static cache of the 24 positions fed
+    # a static cache of the 24 positions fed
+    cache_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 24
     rows = 2**20 // (cache_bytes + LOGIT_COPIES * 4 * len(tok))
     with torch.inference_mode():
         assert len(decode(model, start_token(tok), [tok.eos_token_id], 1000, options)) == rows < 1000
@@ -137,7 +138,7 @@ def test_bf16_sampling_stays_close_to_the_model_and_fits_more_rows(tok, model): 
 
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="the CPU has no native bf16")
-def test_bf16_weights_hold_within_and_the_same_fp32_tensors_come_back_after_an_error(model):  # noqa: F811
+def test_bf16_weights_hold_within_and_the_same_fp32_tensors_come_back_after_an_error(model):
     from pip_core.precision import cpu_bf16_weights
 
     before = {name: (p.data_ptr(), p.dtype) for name, p in model.named_parameters()}
