@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from infra.hashing import sha256_file
+from infra.memory import release_free_heap
 
 log = logging.getLogger(__name__)
 
@@ -131,33 +132,13 @@ def dequantize_to_dir(source: GgufSource, out: Path) -> Path:
     if out.exists():
         raise GgufError(f"{out} exists and does not hold the dequantized {Path(source.path).name}; remove it "
                         "(it is pipprune's cache) and run again")
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = str(Path(source.path).parent), Path(source.path).name
+    name = Path(source.path).name
     log.info("dequantizing %s (%s, %.0f MB) into %s", name, source.quant_types, source.size_bytes / 2**20, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        config.quantization_config = None  # transformers refuses to save a model it marks as GGUF-quantized
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        with torch.device("meta"):  # the plain model takes the loaded tensors themselves: no second copy of them
-            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False, assign=True)
-        missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-        if missing or unexpected:
-            raise GgufError(f"{name}: dequantized weights do not fit the {source.model_type} layout "
-                            f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-        plain.tie_weights()
-        del loaded
-        plain.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
-        for extra in tmp.iterdir():  # keep the model and its tokenizer, nothing else transformers may add
-            if extra.is_file() and extra.suffix not in (".json", ".safetensors", ".jinja") and extra.name not in _TOKENIZER_FILES:
-                extra.unlink()
+        _write_dequantized(source, tmp)
+        release_free_heap()  # the dequantized tensors are freed: their pages go back before the run reads the model
         (tmp / SOURCE_RECORD).write_text(json.dumps(source.to_json(), indent=1, sort_keys=True))
         try:
             tmp.rename(out)
@@ -169,3 +150,30 @@ def dequantize_to_dir(source: GgufSource, out: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _write_dequantized(source: GgufSource, tmp: Path) -> None:
+    """The float32 model and tokenizer of `source` saved into `tmp` (its tensors are freed when this returns)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(Path(source.path).parent), Path(source.path).name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config.quantization_config = None  # transformers refuses to save a model it marks as GGUF-quantized
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):  # the plain model takes the loaded tensors themselves: no second copy of them
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False, assign=True)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise GgufError(f"{name}: dequantized weights do not fit the {source.model_type} layout "
+                        f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    plain.tie_weights()
+    del loaded
+    plain.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+    for extra in tmp.iterdir():  # keep the model and its tokenizer, nothing else transformers may add
+        if extra.is_file() and extra.suffix not in (".json", ".safetensors", ".jinja") and extra.name not in _TOKENIZER_FILES:
+            extra.unlink()
