@@ -154,7 +154,7 @@ def _nucleus_pick(probs: torch.Tensor, u: torch.Tensor, top_p: float, top_k: int
         k = top_k * NUCLEUS_WIDENING ** widening
         if k >= probs.shape[-1]:
             break
-        top, order = probs[rows].topk(k, -1)
+        top, order = (probs if widening == 0 else probs[rows]).topk(k, -1)  # every row: no copy of them
         held = top.sum(-1) >= top_p
         picked[rows[held]] = _at_quantile(top[held], order[held], u[rows[held]], top_p)
         rows = rows[~held]
