@@ -22,6 +22,7 @@ from pipprune.commands import reference as reference_cmd
 from pipprune.commands import schedule as schedule_cmd
 from pipprune.commands import stack as stack_cmd
 from pipprune.commands import sweep as sweep_cmd
+from pipprune.commands import trim_vocab as trim_vocab_cmd
 from pipprune.commands.common import (
     BAD_INPUT,
     FAILED,
@@ -42,6 +43,7 @@ app.command("eval")(evaluate_cmd.eval_cmd)
 app.command("plan")(plan_cmd.plan_cmd)
 app.command("schedule")(schedule_cmd.schedule)
 app.command("sweep")(sweep_cmd.sweep)
+app.command("trim-vocab")(trim_vocab_cmd.trim_vocab)
 
 
 @app.callback()

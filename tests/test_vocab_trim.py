@@ -105,3 +105,45 @@ def test_an_untied_head_and_its_rows_follow_and_dropped_ids_are_named(tokenizer)
 def test_a_tokenizer_that_is_not_bpe_is_refused_by_name():
     with pytest.raises(VocabTrimError, match="'Unigram'"):
         tokens_to_keep({"model": {"type": "Unigram", "vocab": []}, "added_tokens": []}, [])
+
+
+def test_trim_vocab_writes_a_model_that_loads_encodes_its_corpus_as_before_and_reads_back_as_gguf(
+        tiny_reference_dir, tmp_path):
+    """The command on the tiny reference: fewer rows, the corpus encoded as before (renumbered), the stock classes
+    load it, its GGUF (transformers' reader, as llama.cpp's conversion reads it) gives the same tokens and
+    logits; a second run into the same directory is refused, the first output left whole."""
+    import os
+
+    from infra.gguf_write import write_gguf
+    from infra.vocab_source import read_trim_record
+    from tests.helpers import cli
+    from tests.test_gguf_export import _compare
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(KEPT))
+    out = tmp_path / "trimmed"
+    env = {**os.environ, "PIPPRUNE_HOME": str(tmp_path / "home")}
+    result = cli(env, "trim-vocab", "--model", str(tiny_reference_dir), "--corpus", str(corpus), "--out", str(out),
+                 "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    record = read_trim_record(out)
+    assert report["vocab_after"] == record["vocab_after"] == len(record["kept_ids"]) < report["vocab_before"]
+    trim = VocabTrim(tuple(record["kept_ids"]), record["vocab_before"])
+    before, after = AutoTokenizer.from_pretrained(tiny_reference_dir), AutoTokenizer.from_pretrained(out)
+    for text in KEPT:
+        assert after.encode(text) == trim.remap(before.encode(text))
+    original = AutoModelForCausalLM.from_pretrained(tiny_reference_dir, dtype=torch.float32)
+    small = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = before(KEPT[0], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(small(torch.tensor([trim.remap(ids[0].tolist())])).logits,
+                                   original(ids).logits[..., list(trim.keep)], rtol=1e-4, atol=1e-4)
+    info = write_gguf(out, out / "trimmed-f32.gguf", "f32")
+    assert info.n_vocab == record["vocab_after"]
+    diff, top1 = _compare(out, info.path.name, "f32", text=KEPT[2])
+    assert diff <= 1e-3 and top1 == 1.0
+    again = cli(env, "trim-vocab", "--model", str(tiny_reference_dir), "--corpus", str(corpus), "--out", str(out),
+                timeout=300)
+    assert again.returncode == 2 and "exists" in again.stderr + again.stdout
+    assert read_trim_record(out) == record

@@ -1,0 +1,134 @@
+"""A model directory's vocabulary trimmed to a corpus (pip_core.vocab_trim), written as a directory of its own.
+
+The corpus is a file the user names (`.txt`: one text per paragraph; `.jsonl`: a `text` field per line) or
+`public`: the public-domain English the install already fetches (five Jane Austen novels from Debian's
+r-cran-janeaustenr, Persuasion left out: it is the general held-out set). The output is an ordinary Hugging Face
+directory (stock class, AutoTokenizer) that `compress --model DIR` takes as any other; beside it `vocab_trim.json`
+records the source, the corpus, the kept count and the kept-id list's sha256. It is written to a private sibling,
+checked (every corpus text encodes to the same tokens, renumbered) and only then renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from infra.reference import sources
+
+log = logging.getLogger(__name__)
+
+#: the record beside a trimmed directory's weights
+TRIM_RECORD = "vocab_trim.json"
+PUBLIC = "public"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "chat_template.json")
+
+
+class VocabSourceError(ValueError):
+    """A corpus or model that cannot be trimmed as asked; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class TrimRecord:
+    source: str
+    corpus: str
+    corpus_sha256: str
+    corpus_texts: int
+    vocab_before: int
+    vocab_after: int
+    params_before: int
+    params_after: int
+    kept_sha256: str
+
+    @property
+    def removed_ratio(self) -> float:
+        return 1 - self.params_after / self.params_before
+
+
+def corpus_texts(corpus: str, cache: Path) -> tuple[str, list[str]]:
+    """(what the corpus is, its texts): `public` or a .txt/.jsonl file."""
+    if corpus == PUBLIC:
+        books = sources.austen_books(cache)
+        texts = [p.strip() for name in sources.AUSTEN_TRAIN for p in books[name].split("\n\n") if p.strip()]
+        return f"Jane Austen: {', '.join(sources.AUSTEN_TRAIN)} (public domain, Debian {sources.AUSTEN_DEB})", texts
+    path = Path(corpus).expanduser()
+    if not path.is_file():
+        raise VocabSourceError(f"vocabulary corpus not found: {corpus} (a .txt or .jsonl file, or '{PUBLIC}')")
+    raw = path.read_text(encoding="utf-8", errors="strict")
+    if path.suffix == ".jsonl":
+        try:
+            texts = [json.loads(line)["text"] for line in raw.splitlines() if line.strip()]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise VocabSourceError(f"{path}: every line must be a JSON object with a 'text' field ({exc})") from None
+    else:
+        texts = [p.strip() for p in raw.split("\n\n") if p.strip()]
+    if not texts:
+        raise VocabSourceError(f"{path}: the vocabulary corpus is empty")
+    return str(path.resolve()), texts
+
+
+def read_trim_record(model_dir: str | Path) -> dict | None:
+    path = Path(model_dir) / TRIM_RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def trim_to_dir(model_dir: Path, corpus: str, out: Path, cache: Path) -> TrimRecord:
+    """Write `model_dir` with its vocabulary trimmed to `corpus` at `out` (refused if `out` exists)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pip_core.vocab_trim import tokens_to_keep, trim_model, trimmed_tokenizer_config, trimmed_tokenizer_json
+
+    if out.exists():
+        raise VocabSourceError(f"{out} exists; name a new directory (pipprune never overwrites one)")
+    if not (model_dir / "tokenizer.json").is_file():
+        raise VocabSourceError(f"{model_dir} has no tokenizer.json: vocabulary trimming rewrites a fast tokenizer")
+    name, texts = corpus_texts(corpus, cache)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    data = json.loads((model_dir / "tokenizer.json").read_text())
+    trim = tokens_to_keep(data, encoded, also=tokenizer.all_special_ids)
+    log.info("vocabulary: %d of %d tokens kept for %d texts of %s", len(trim.keep), trim.vocab_before, len(texts), name)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    with torch.no_grad():
+        before = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        trim_model(model, trim)
+        after = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        for file in _TOKENIZER_FILES:
+            if (model_dir / file).is_file():
+                shutil.copy(model_dir / file, tmp / file)
+        (tmp / "tokenizer.json").write_text(json.dumps(trimmed_tokenizer_json(data, trim), ensure_ascii=False))
+        if (model_dir / "tokenizer_config.json").is_file():
+            config = json.loads((model_dir / "tokenizer_config.json").read_text())
+            (tmp / "tokenizer_config.json").write_text(json.dumps(trimmed_tokenizer_config(config, trim), indent=1))
+        _check_round_trip(tmp, texts, encoded, trim)
+        record = TrimRecord(source=str(model_dir), corpus=name,
+                            corpus_sha256=hashlib.sha256("\n\n".join(texts).encode()).hexdigest(),
+                            corpus_texts=len(texts), vocab_before=trim.vocab_before, vocab_after=len(trim.keep),
+                            params_before=before, params_after=after, kept_sha256=trim.digest)
+        (tmp / TRIM_RECORD).write_text(json.dumps({**asdict(record), "kept_ids": list(trim.keep)}))
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return record
+
+
+def _check_round_trip(model_dir: Path, texts: list[str], encoded: list[list[int]], trim) -> None:  # noqa: ANN001
+    """Every corpus text encodes with the written tokenizer to its original tokens, renumbered."""
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(model_dir)(texts, add_special_tokens=False)["input_ids"]
+    for i, (new, old) in enumerate(zip(again, encoded, strict=True)):
+        if new != trim.remap(old):
+            raise VocabSourceError(f"the trimmed tokenizer encodes corpus text {i} differently ({texts[i][:60]!r}); "
+                                   "nothing was written")
