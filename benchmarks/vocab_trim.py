@@ -23,7 +23,7 @@ from benchmarks.common import write
 MAX_PPL_CHANGE = 0.01
 
 
-def nats_per_byte(model, tokenizer, texts: list[str], start: int) -> tuple[float, int, int]:  # noqa: ANN001
+def nats_per_byte(model, tokenizer, texts: list[str], start: int) -> tuple[float, int, int]:
     """(nats per UTF-8 byte, bytes, tokens) of `texts`, each predicted whole after `start`."""
     import torch
 
