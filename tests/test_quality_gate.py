@@ -212,3 +212,9 @@ def test_the_summary_names_the_general_set_and_both_models_repetition():
     assert "sha256 cdcdcdcdcdcdcdcd" in text
     assert "dense 0.800, compressed 0.480 (x0.60)" in text
     assert "NOT USABLE" in text and "distinct-token ratio >= 0.75" in text
+    assert "or recovery (--recovery-steps N --recovery kd)" in text  # this run did not recover
+    out = io.StringIO()
+    print_summary(summary.model_copy(update={"metrics_before_recovery": {"heldout_perplexity": 40.0}}), Settings, out,
+                  None)
+    text = " ".join(out.getvalue().split())
+    assert "more recovery steps than this run's (--recovery-steps N)" in text and "--recovery kd)" not in text

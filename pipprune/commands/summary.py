@@ -31,7 +31,7 @@ def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> No
             samples.add_row(row["prompt"], row["dense"].strip(), row["compressed"].strip())
         console.print(samples)
     _print_repetition(console, summary.metrics_before, summary.metrics_after)
-    _print_verdict(console, summary.quality)
+    _print_verdict(console, summary.quality, recovered=bool(summary.metrics_before_recovery))
     if summary.peak_rss_bytes:
         own = (f"; {summary.run_memory_over_weights:.2f}x above the {summary.baseline_rss_bytes / 2**30:.2f} GiB "
                "the process held before reading a model" if summary.baseline_rss_bytes else "")
@@ -68,7 +68,7 @@ def _print_repetition(console: Any, before: dict, after: dict) -> None:  # rich 
                       f"compressed {compressed:.3f} (x{after.get('samples_distinct_ratio', float('nan')):.2f})")
 
 
-def _print_verdict(console: Any, quality: dict) -> None:  # rich Console
+def _print_verdict(console: Any, quality: dict, recovered: bool = False) -> None:  # rich Console
     verdict = quality.get("verdict")
     if verdict is None:
         return
@@ -82,6 +82,7 @@ def _print_verdict(console: Any, quality: dict) -> None:  # rich Console
         console.print(f"[bold green]verdict: usable[/] {gate}")
         return
     reasons = "; ".join(quality.get("reasons", []))
+    recovery = ("more recovery steps than this run's (--recovery-steps N)" if recovered  # it did recover: say so
+                else "recovery (--recovery-steps N --recovery kd)")
     console.print(f"[bold red]verdict: {verdict.upper()}[/]: {reasons} {gate}. The version is registered and marked "
-                  "so; promotion is refused. Try a smaller ratio, another method or unit, or recovery "
-                  "(--recovery-steps N --recovery kd).")
+                  f"so; promotion is refused. Try a smaller ratio, another method or unit, or {recovery}.")
