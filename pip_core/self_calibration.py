@@ -6,9 +6,11 @@ calibration text close to what the model was trained on matters more for pruning
 highest-perplexity fifth of the samples is dropped). Both are seeded and deterministic on a given device.
 
 Sampling is one hand-written decode loop over the model's KV cache for all texts at once (as many rows as the
-memory bound allows): a few hundred rows per forward keep the CPU's matrix units busy where HF `generate` with a
-batch of 16 left them waiting on memory, a row leaves the batch when it emits EOS, and the nucleus is cut from a
-top-k instead of a sort of the whole vocabulary. The model's own log-probability of each sampled token comes from
+memory bound allows): a hundred rows and more per forward keep the CPU's matrix units busy where HF `generate` with
+a batch of 16 left them waiting on memory. The KV cache is static (written in place; a dynamic one copies every
+layer's cache at every step), a row that emits EOS leaves it once an eighth of its rows have, the weights are bf16
+copies where the CPU computes bf16 natively (autocast would cast them, and the cache, at every step), and the
+nucleus is cut from a top-k instead of a sort of the whole vocabulary. The model's own log-probability of each sampled token comes from
 the same logits, for the perplexity filter.
 """
 
