@@ -68,7 +68,7 @@ def main() -> None:
     from infra.settings import Settings
 
     _, corpus = corpus_texts("public", Settings().home / "cache")
-    sample = corpus[:: max(1, len(corpus) // 500)]
+    sample = corpus[:: max(1, len(corpus) // 2000)]
     exact = all(small_tok(t, add_special_tokens=False)["input_ids"]
                 == trim.remap(dense_tok(t, add_special_tokens=False)["input_ids"]) for t in sample)
     windows = eval_kit().general_set(dense_tok).texts()[: args.windows]

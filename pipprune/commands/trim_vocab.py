@@ -18,8 +18,9 @@ from pipprune.commands.common import fail, json_output
 def trim_vocab(
     model: str = typer.Option(..., help="local model directory or GGUF file (a GGUF is dequantized into the cache)"),
     corpus: str = typer.Option(..., help="the text the model must still encode as before: a .txt file (one text "
-                               "per paragraph), a .jsonl file ('text' per line) or 'public' (five Jane Austen "
-                               "novels the install fetches; Persuasion, the general held-out set, left out)"),
+                               "per paragraph), a .jsonl file ('text' per line) or 'public' (the English text the "
+                               "install fetches: five Austen novels, the King James Bible, the Python docs' prose, "
+                               "fortunes; Persuasion and WordNet, held out for evaluation, left out)"),
     out: Path = typer.Option(..., help="the directory to write (must not exist)"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON document (logs: stderr)"),
 ) -> None:
