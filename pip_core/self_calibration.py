@@ -10,8 +10,8 @@ memory bound allows): a hundred rows and more per forward keep the CPU's matrix 
 a batch of 16 left them waiting on memory. The KV cache is static (written in place; a dynamic one copies every
 layer's cache at every step), a row that emits EOS leaves it once an eighth of its rows have, the weights are bf16
 copies where the CPU computes bf16 natively (autocast would cast them, and the cache, at every step), and the
-nucleus is cut from a top-k instead of a sort of the whole vocabulary. The model's own log-probability of each sampled token comes from
-the same logits, for the perplexity filter.
+nucleus is cut from a top-k instead of a sort of the whole vocabulary. The model's own log-probability of each
+sampled token comes from the same probabilities, for the perplexity filter.
 """
 
 from __future__ import annotations
