@@ -102,6 +102,7 @@ def trim_to_dir(model_dir: Path, corpus: str, out: Path, cache: Path) -> TrimRec
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pip_core.units import param_count
     from pip_core.vocab_trim import tokens_to_keep, trim_model, trimmed_tokenizer_config, trimmed_tokenizer_json
 
     if out.exists():
@@ -116,9 +117,9 @@ def trim_to_dir(model_dir: Path, corpus: str, out: Path, cache: Path) -> TrimRec
     log.info("vocabulary: %d of %d tokens kept for %d texts of %s", len(trim.keep), trim.vocab_before, len(texts), name)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
     with torch.no_grad():
-        before = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        before = param_count(model)
         trim_model(model, trim)
-        after = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        after = param_count(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
