@@ -1,7 +1,8 @@
 """The compress flow: wiring only. Each box of the DAG is a task in `tasks`.
 
 plan budget -> calibrate -> measure the dense model (held-out, lm-eval, serving, samples) -> for each step
-[score units -> select units -> prune -> quick eval -> checkpoint (S3) -> log] -> optional recovery, LoRA or KD
+[score units -> select units -> prune -> repair (optional, closed form) -> quick eval -> checkpoint (S3) -> log] ->
+optional recovery, LoRA or KD
 (checkpointed as step N+1) -> measure the compressed model as the dense one was -> quality verdict -> sign ->
 register.
 """
@@ -32,6 +33,7 @@ from tasks.pruning import checkpoint, prune_step
 from tasks.recovery import recover
 from tasks.refs import BudgetRef, ModelRef
 from tasks.registry import register_model
+from tasks.repair import repair_step
 from tasks.resume import find_resume_point
 from tasks.samples import generate_samples
 from tasks.scoring import score_units, select_units
@@ -109,7 +111,7 @@ def _measure_dense(run: records.RunContext) -> records.DenseFigures:
 
 def _prune_steps(run: records.RunContext, budget: BudgetRef,
                  before: dict[str, float]) -> tuple[ModelRef, list[dict], list[dict]]:
-    """Score, select, prune, quick-eval, checkpoint and log each step not yet in S3."""
+    """Score, select, prune, repair (when asked), quick-eval, checkpoint and log each step not yet in S3."""
     config, rt = run.config, run.config.runtime
     scoring, total = aligned(config.scoring, budget), run.source.model.num_params
     done = find_resume_point(run.run_key)
@@ -120,8 +122,10 @@ def _prune_steps(run: records.RunContext, budget: BudgetRef,
         stats = score_units(model, run.calib, scoring, spec, rt)
         selection = select_units(stats, scoring, spec)
         pruned = prune_step(model, selection, rt)
+        repaired = repair_step(pruned, run.source.model, run.calib, config.repair, rt) if config.repair.enabled else None
+        pruned = repaired.model if repaired else pruned
         quick = quick_eval(pruned, run.calib, rt, reference=run.source.model)
-        metrics = records.step_metrics(quick, pruned, total, selection, stats)
+        metrics = records.step_metrics(quick, pruned, total, selection, stats, repaired)
         model = checkpoint(run.run_key, i, pruned, selection.table_path,
                            records.step_record(i, selection, metrics, pruned, run.lineage))
         history.append(records.history_row(i, model, metrics))

@@ -40,6 +40,7 @@ from infra.tags import (
     RECOVERY_KIND,
     RECOVERY_STEPS,
     RECOVERY_TEMPERATURE,
+    REPAIR,
     RUN_KEY,
     S3_URI,
     SOURCE_FINGERPRINT,
@@ -96,6 +97,9 @@ class CompressSummary(BaseModel):
 
     #: the GGUF child versions of the optional export stage (flows.export.ExportSummary as JSON)
     exports: list[dict] = []
+    #: the closed-form repair after each pruning step: {"form": ..., "steps": [{iteration, consumers, error_before,
+    #: error_after, seconds}]} (form "none": no repair ran)
+    repair: dict[str, Any] = {}
 
 @dataclass(frozen=True)
 class RunContext:
@@ -195,9 +199,14 @@ def history_row(iteration: int, model: ModelRef, metrics: dict[str, float]) -> d
 
 
 def step_metrics(quick: dict[str, float], pruned: ModelRef, total: int, selection: PrunePlan,
-                 stats: StatsRef) -> dict[str, float]:
+                 stats: StatsRef, repaired: Any = None) -> dict[str, float]:
+    """A pruning step's metrics; `repaired` (tasks.repair.RepairResult) adds what the step's repair did."""
+    repair = {} if repaired is None else {
+        "repair_consumers": float(repaired.consumers), "repair_error_before": repaired.error_before,
+        "repair_error_after": repaired.error_after, "repair_seconds": repaired.seconds,
+        "repair_tokens": float(repaired.tokens)}
     return {**quick, "num_params": float(pruned.num_params), "achieved_ratio": removed_fraction(total, pruned.num_params),
-            "units_removed": float(len(selection.units)), "scoring_seconds": stats.seconds}
+            "units_removed": float(len(selection.units)), "scoring_seconds": stats.seconds, **repair}
 
 
 def step_record(iteration: int, selection: PrunePlan, metrics: dict[str, float], pruned: ModelRef,
@@ -349,7 +358,7 @@ def version_tags(config: CompressConfig, lineage: dict[str, str], model: ModelRe
             MANIFEST_SHA256: model.manifest_sha256 or "", MLFLOW_RUN_ID: run_id,
             ITERATIONS: str(config.scoring.iterations), METHOD: config.scoring.method,
             FINAL_CHECKPOINT: str(config.scoring.iterations + int(config.recovery.enabled)),
-            RECOVERY_STEPS: str(config.recovery.steps), **recovery_tags(config),
+            RECOVERY_STEPS: str(config.recovery.steps), **recovery_tags(config), REPAIR: config.repair.form,
             UNIT: config.scoring.unit, RATIO: str(config.ratio),
             **(signature.tags() if signature else {})}
 
@@ -379,7 +388,17 @@ def summary(run: RunContext, version: str, model: ModelRef, history: list[dict],
         peak_rss_over_weights=judgement.memory["run.peak_rss_over_weights"],
         baseline_rss_bytes=int(judgement.memory["run.baseline_rss_bytes"]),
         run_memory_over_weights=judgement.memory["run.run_memory_over_weights"],
-        stage_seconds=_final_lap(run.clock), stage_peak_bytes=dict(run.clock.peaks))
+        stage_seconds=_final_lap(run.clock), stage_peak_bytes=dict(run.clock.peaks),
+        repair=repair_summary(run.config.repair.form, history))
+
+
+def repair_summary(form: str, history: list[dict]) -> dict[str, Any]:
+    """The repair each pruning step recorded (read from the history, so a resumed run reports the steps it
+    did not run again)."""
+    steps = [{"iteration": int(row["iteration"]), **{k.removeprefix("repair_"): row[k] for k in row
+                                                      if k.startswith("repair_")}}
+             for row in history if "repair_consumers" in row]
+    return {"form": form, "steps": steps}
 
 
 def _final_lap(clock: StageClock) -> dict[str, float]:

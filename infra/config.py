@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 if TYPE_CHECKING:
     from pip_core.recovery import RecoveryOptions
+    from pip_core.repair import RepairOptions
 from infra.calibration_spec import SELF, CalibrationSpec
 from infra.layout import model_dir_layout
 from pip_core.vocabulary import (
@@ -201,6 +202,32 @@ class RecoverySettings(_Group):
         return RecoveryOptions(**fields, max_length=max_length, seed=seed)
 
 
+#: closed-form repair forms a config names (pip_core.repair.REPAIR_FORMS, and none)
+RepairForm = Literal["none", "bias", "lstsq"]
+
+
+class RepairSettings(_Group):
+    """Closed-form repair of the width-pruned layers after each pruning step, before any training (pip_core.repair)."""
+
+    form: RepairForm = Field("none", description="none | lstsq: ridge least-squares refit of each pruned layer's "
+                             "output projections (o_proj, down_proj) against the dense model's outputs on the "
+                             "calibration texts | bias: FLAP's bias compensation (where the family's config has a "
+                             "bias switch)")
+    ridge: float = Field(1e-3, ge=0.0, le=1.0, description="lstsq: ridge, as a share of the mean diagonal of the "
+                         "inputs' Gram matrix")
+    fit_bias: bool = Field(False, description="lstsq: also fit a bias (turns the family's bias switch on)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.form != "none"
+
+    def options(self, max_length: int) -> RepairOptions:
+        """This group as pip_core's repair takes it, with the run's text length."""
+        from pip_core.repair import RepairOptions
+
+        return RepairOptions(form=self.form, ridge=self.ridge, fit_bias=self.fit_bias, max_length=max_length)
+
+
 class ExportSettings(_Group):
     """Optional last stage: the registered version exported as GGUF child versions (flows.export)."""
 
@@ -309,6 +336,7 @@ class CompressConfig(BaseModel):
     calibration: CalibrationSettings
     scoring: ScoringSettings = ScoringSettings()
     evaluation: EvaluationSettings = EvaluationSettings()
+    repair: RepairSettings = RepairSettings()
     recovery: RecoverySettings = RecoverySettings()
     serving: ServingSettings = ServingSettings()
     runtime: RuntimeSettings = RuntimeSettings()
@@ -326,6 +354,8 @@ class CompressConfig(BaseModel):
         data = {k: _given(v) for k, v in data.items()}
         if isinstance(data.get("calibration"), str):
             data["calibration"] = {"source": data["calibration"]}
+        if isinstance(data.get("repair"), str):  # `repair: lstsq`, `--repair lstsq`
+            data["repair"] = {"form": data["repair"]}
         for flat, (group, field) in FLAT_KEYS.items():
             if flat in data:
                 value = data.pop(flat)
@@ -370,6 +400,14 @@ class CompressConfig(BaseModel):
         if self.export.quant and self.scoring.width_mode == "per_layer" and self.scoring.unit != "block":
             raise ValueError("export: GGUF keeps one attention and MLP width for every layer; per-layer widths cannot "
                              "be exported (use scoring.width_mode uniform, or no export)")
+        return self
+
+    @model_validator(mode="after")
+    def _repair_needs_width(self) -> CompressConfig:
+        if self.repair.enabled and self.scoring.unit == "block":
+            raise ValueError(f"repair: {self.repair.form} refits the layers that lost width against the same layers of "
+                             "the dense model; whole blocks removed leave no such pair (use repair none with unit "
+                             "block, or unit width)")
         return self
 
     @model_validator(mode="after")

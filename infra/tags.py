@@ -40,6 +40,8 @@ RATIO = "pipprune.ratio"
 FINAL_CHECKPOINT = "pipprune.final_checkpoint"
 RECOVERY_STEPS = "pipprune.recovery_steps"
 RECOVERY_KIND = "pipprune.recovery_kind"
+#: the closed-form repair after each pruning step (none, bias, lstsq)
+REPAIR = "pipprune.repair"
 RECOVERY_KD_PARAMS = "pipprune.recovery_kd_params"
 RECOVERY_TEMPERATURE = "pipprune.recovery_temperature"
 #: sha256 over the MLflow model's files, and the logged model's id

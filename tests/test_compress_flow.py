@@ -134,6 +134,41 @@ def test_full_run_tracks_checkpoints_and_registers(first_run, stack_env, tiny_re
     assert int(version.tags["pipprune.eval.heldout_tokens"]) == record["heldout"]["tokens"] > 0
 
 
+def test_repair_runs_after_each_step_and_is_recorded(first_run, stack_env, tiny_reference_dir, monkeypatch):
+    """repair: lstsq refits each step's pruned layers before its quick eval: the same units go at step 1 (scored
+    before any repair) and the held-out KL to dense is lower than the unrepaired run's; every step's figures reach
+    MLflow, the checkpoint manifest, the version's tags and the summary."""
+    _apply(stack_env, monkeypatch)
+    from mlflow import MlflowClient
+
+    from infra.s3store import CheckpointStore
+    from infra.settings import Settings
+
+    plain, _, _ = first_run
+    summary = _run_flow(stack_env, _config(tiny_reference_dir, repair="lstsq", registered_model_name="tiny-repair"))
+    assert summary.params_after == plain.params_after
+    assert summary.repair["form"] == "lstsq" and [s["iteration"] for s in summary.repair["steps"]] == [1, 2]
+    for step in summary.repair["steps"]:
+        assert step["consumers"] > 0 and 0 <= step["error_after"] < step["error_before"], step
+
+    client = MlflowClient(stack_env["MLFLOW_TRACKING_URI"])
+
+    def kl(run_id: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run_id, "heldout_kl")}
+
+    assert kl(summary.mlflow_run_id)[1] < kl(plain.mlflow_run_id)[1]
+    assert [m.step for m in client.get_metric_history(summary.mlflow_run_id, "repair_error_after")] == [1, 2]
+    stages = {ref.iteration: ref for ref in CheckpointStore.from_settings(Settings(), summary.run_key)
+              .complete_checkpoints()}
+    plain_stages = {ref.iteration: ref for ref in CheckpointStore.from_settings(Settings(), plain.run_key)
+                    .complete_checkpoints()}
+    assert stages[1].metadata["units_removed"] == plain_stages[1].metadata["units_removed"]
+    assert stages[2].metadata["metrics"]["repair_error_after"] == summary.repair["steps"][1]["error_after"]
+    version = client.get_model_version("tiny-repair", summary.model_version)
+    assert version.tags["pipprune.repair"] == "lstsq"
+    assert client.get_model_version("tiny-pip", plain.model_version).tags["pipprune.repair"] == "none"
+
+
 def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, tiny_reference_dir):
     """The benchmarks' loop (pip_core.schedule.prune_iteratively) is the product's loop: same units, step by step."""
     from pip_core import io as core_io

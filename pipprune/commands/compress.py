@@ -48,6 +48,7 @@ def compress(
     name: Optional[str] = typer.Option(None, help=config_help("registered_model_name")),
     recovery_steps: Optional[int] = typer.Option(None, help=config_help("recovery.steps")),
     recovery: Optional[str] = typer.Option(None, help=config_help("recovery.kind", "(with --recovery-steps N)")),
+    repair: Optional[str] = typer.Option(None, help=config_help("repair.form")),
     device: Optional[str] = typer.Option(None, help=config_help("runtime.device")),
     dtype: Optional[str] = typer.Option(None, help=config_help("runtime.dtype")),
     config: Optional[Path] = typer.Option(None, help="YAML/JSON config file (CLI options override it)"),
@@ -87,7 +88,7 @@ def compress(
             wordlist=wordlist, n_samples=n_samples, seed=seed, eval_limit=eval_limit, registered_model_name=name,
             device=device, dtype=dtype, max_kl=max_kl, max_ppl_ratio=max_ppl_ratio,
             min_distinct_ratio=min_distinct_ratio, allow_deep_cut=allow_deep_cut,
-            recovery=_recovery_options(recovery_steps, recovery)))
+            recovery=_recovery_options(recovery_steps, recovery), repair=repair))
         out_dir = check_out(out, overwrite)
         budget = check_inputs(cfg)
         progress.stage(f"budget: {budget.target} takes {budget.body.describe()}")

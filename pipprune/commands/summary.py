@@ -30,6 +30,7 @@ def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> No
         for row in summary.samples:
             samples.add_row(row["prompt"], row["dense"].strip(), row["compressed"].strip())
         console.print(samples)
+    _print_repair(console, summary.repair)
     _print_repetition(console, summary.metrics_before, summary.metrics_after)
     _print_verdict(console, summary.quality, recovered=bool(summary.metrics_before_recovery))
     if summary.peak_rss_bytes:
@@ -49,6 +50,19 @@ def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> No
         console.print(f"Resumed after {summary.iterations_resumed} completed iteration(s) found in S3")
     if summary.out_dir:
         console.print(f"Model copied to: {summary.out_dir}")
+
+
+def _print_repair(console: Any, repair: dict) -> None:  # rich Console
+    """What the closed-form repair did: each step's layer output error against the dense model, before and after."""
+    form = repair.get("form", "none")
+    if form == "none":
+        console.print("repair: none (pruned layers kept as cut; --repair lstsq refits them in closed form)")
+        return
+    steps = repair.get("steps", [])
+    parts = [f"step {int(s['iteration'])}: {s['error_before']:.3f} -> {s['error_after']:.3f}" for s in steps]
+    seconds = sum(s.get("seconds", 0.0) for s in steps)
+    console.print(f"repair: {form} after each pruning step, {seconds:.0f} s; output error of the repaired layers "
+                  f"against the dense model's (relative, mean over layers): {'; '.join(parts) or 'no step repaired'}")
 
 
 def _print_general_set(console: Any, general: dict) -> None:  # rich Console

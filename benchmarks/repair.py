@@ -1,0 +1,260 @@
+"""Repair after width pruning on a real model (issue 48): criterion x repair form x recovery, on held-out sets.
+
+Each cell prunes a copy of the dense model in the product's re-scored steps (own sampled texts, uniform widths,
+the criterion's scores), repairs after every step with the form named (pip_core.repair: none, FLAP's bias,
+the ridge least-squares refit), then measures it with and without the product's default recovery (KD from the
+dense model on texts it sampled apart from the scored ones). Figures: KL(dense || model) and the perplexity
+ratio on held-out Persuasion documents and WordNet definitions (per document, for paired bootstrap verdicts),
+WordNet cloze accuracy (lm-eval), and the seconds each stage took.
+
+Usage: python -m benchmarks.repair --model .pipprune/reference/smollm2-135m [--methods wanda_sp,minitron,taylor,pip]
+       [--repairs none,bias,lstsq] [--recoveries none,kd] [--seeds 0,1,2] [--resume FILE.jsonl] [--name repair]
+A cell already in --resume is not run again, so a long matrix is finished over several invocations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import calibration_pairs, write
+
+N_BOOT = 2000
+HELDOUT = ("persuasion", "wordnet")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, required=True, help="a reference build (held-out sets, cloze task)")
+    parser.add_argument("--methods", default="wanda_sp,minitron,taylor,pip")
+    parser.add_argument("--repairs", default="none,bias,lstsq")
+    parser.add_argument("--recoveries", default="none,kd", help="none, kd (the product's default recovery)")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--ratio", type=float, default=0.2)
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--texts", type=int, default=64, help="sampled calibration texts scored (and repaired on)")
+    parser.add_argument("--recovery-steps", type=int, default=None, help="default: the product's")
+    parser.add_argument("--cloze-limit", type=int, default=200)
+    parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--name", default="repair")
+    args = parser.parse_args()
+    bench = Bench.build(args)
+    done = _load(args.resume)
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for method in args.methods.split(","):
+            for form in args.repairs.split(","):
+                keys = [f"{method}|{form}|{rec}|{seed}" for rec in args.recoveries.split(",")]
+                if all(k in done for k in keys):
+                    continue
+                for key, run in bench.cell(method, form, args.recoveries.split(","), seed).items():
+                    done[key] = run
+                    if args.resume:
+                        with args.resume.open("a") as fh:
+                            fh.write(json.dumps({"key": key, "run": run}) + "\n")
+                payload = bench.payload(done)
+                print(write(args.name, payload, table(payload)), flush=True)
+    payload = bench.payload(done)
+    print(write(args.name, payload, table(payload)))
+
+
+def _load(path: Path | None) -> dict[str, dict]:
+    if path is None or not path.exists():
+        return {}
+    return {row["key"]: row["run"] for row in map(json.loads, path.read_text().splitlines()) if row}
+
+
+class Bench:
+    """The dense model, its held-out sets and cloze accuracy, and each seed's sampled texts, shared by every cell."""
+
+    def __init__(self, args: argparse.Namespace, dense, tok, sets: dict, dense_cloze: float) -> None:
+        self.args, self.dense, self.tok, self.sets, self.dense_cloze = args, dense, tok, sets, dense_cloze
+        self.scratch = Path(tempfile.mkdtemp())
+        self._texts: dict[int, tuple] = {}
+
+    @classmethod
+    def build(cls, args: argparse.Namespace) -> Bench:
+        from benchmarks.divergence import heldout_texts
+        from pip_core import io
+
+        dense, tok = io.load(args.model, dtype="float32")
+        dense.eval()
+        sets = {name: heldout_texts(args.model, name) for name in HELDOUT}
+        bench = cls(args, dense, tok, sets, 0.0)
+        bench.dense_cloze = bench.cloze(dense) if args.cloze_limit else 0.0
+        return bench
+
+    def texts(self, seed: int) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+        """(pairs, scored texts, recovery texts): sampled by the dense model, as `--calibration self` samples."""
+        if seed not in self._texts:
+            from pip_core.self_calibration import SamplingOptions, sampled_texts
+
+            pairs, texts = calibration_pairs(self.args.model, self.args.texts, seed, None, "self", self.dense, self.tok)
+            train = sampled_texts(self.dense, self.tok, SamplingOptions(n=self.args.texts, seed=seed + 1000,
+                                                                        progress=False))
+            self._texts[seed] = (pairs, texts, train)
+        return self._texts[seed]
+
+    def cell(self, method: str, form: str, recoveries: list[str], seed: int) -> dict[str, dict]:
+        """Prune (+ repair after each step), measure; then each recovery of that model, measured."""
+        from pip_core import prune, schedule
+        from pip_core.importance import CalibrationData
+        from pip_core.repair import RepairOptions, repair
+        from pip_core.units import param_count
+
+        pairs, texts, train = self.texts(seed)
+        data = CalibrationData(self.tok, pairs, texts=texts)
+        options = schedule.ScoringOptions(method, "width", align=64)
+        model = copy.deepcopy(self.dense)
+        total = param_count(model)
+        prune_seconds = repair_seconds = 0.0
+        errors = []
+        for i, cumulative in enumerate(schedule.plan(self.args.ratio, self.args.iterations), start=1):
+            spec = schedule.step_spec(i, cumulative, total, param_count(model), seed)
+            start = time.perf_counter()
+            units, scores = schedule.score_step(model, data, spec, options, progress=False)
+            prune.apply(model, schedule.select_step(units, scores, spec, options))
+            prune_seconds += time.perf_counter() - start
+            if form != "none":
+                report = repair(model, self.dense, self.tok, texts, RepairOptions(form=form))
+                repair_seconds += report.seconds
+                errors.append([[c.error_before, c.error_after] for c in report.consumers])
+        base = {"method": method, "repair": form, "seed": seed, "params": param_count(model), "params_dense": total,
+                "prune_seconds": prune_seconds, "repair_seconds": repair_seconds, "repair_errors": errors}
+        out = {}
+        for rec in recoveries:
+            trained, seconds = (model, 0.0) if rec == "none" else self.recover(model, train, seed)
+            out[f"{method}|{form}|{rec}|{seed}"] = {**base, "recovery": rec, "recovery_seconds": seconds,
+                                                    **self.measure(trained)}
+            print(f"{method} {form} {rec} seed {seed}: " + ", ".join(
+                f"{k} ppl x{_stats(out[f'{method}|{form}|{rec}|{seed}'], k).metrics()['ppl_ratio']:.3f}"
+                for k in HELDOUT), flush=True)
+        return out
+
+    def recover(self, model, train: list[str], seed: int):
+        """The product's default recovery (own-text defaults: KD through LoRA) on a copy of `model`."""
+        from infra.config import RecoverySettings, own_text_defaults
+        from pip_core.recovery import recover_kd
+
+        settings = RecoverySettings(**own_text_defaults("width")["recovery"])
+        if self.args.recovery_steps:
+            settings = settings.model_copy(update={"steps": self.args.recovery_steps})
+        start = time.perf_counter()
+        trained, _ = recover_kd(copy.deepcopy(model), self.dense, self.tok, train,
+                                settings.options(max_length=128, seed=seed))
+        return trained, time.perf_counter() - start
+
+    def measure(self, model) -> dict:
+        from pip_core.divergence import doc_stats
+
+        heldout = {name: doc_stats(self.dense, model, self.tok, texts, max_length=256).to_json()
+                   for name, (texts, _) in self.sets.items()}
+        return {"heldout": heldout, "cloze_acc": self.cloze(model) if self.args.cloze_limit else None}
+
+    def cloze(self, model) -> float:
+        from benchmarks.quality import CLOZE, saved
+        from infra.layout import model_dir_layout
+        from infra.lmeval import run_lmeval
+
+        out = saved(model, self.tok, self.scratch)
+        return float(run_lmeval(out, [CLOZE], include_path=model_dir_layout(self.args.model).tasks,
+                                limit=self.args.cloze_limit)[CLOZE]["acc"])
+
+    def payload(self, done: dict[str, dict]) -> dict:
+        args = {k: str(v) for k, v in vars(self.args).items()}
+        return {"args": args, "dense_cloze_acc": self.dense_cloze,
+                "heldout_sha256": {k: digest for k, (_, digest) in self.sets.items()},
+                "runs": list(done.values()), "summary": summarise(list(done.values()))}
+
+
+def _stats(run: dict, heldout: str):
+    from pip_core.divergence import DocStats
+
+    return DocStats.from_json(run["heldout"][heldout])
+
+
+def _label(run: dict) -> tuple[str, str, str]:
+    return run["method"], run["repair"], run["recovery"]
+
+
+def summarise(runs: list[dict], n_boot: int = N_BOOT) -> dict:
+    """Per cell (criterion, repair, recovery): seeds, mean seconds, cloze; per held-out set KL and perplexity ratio
+    with 95% intervals (seeds pooled, documents paired). Verdicts: each repair against none (same criterion and
+    recovery), and every criterion against wanda_sp (same repair and recovery), on KL."""
+    from pip_core import bootstrap
+
+    cells: dict[tuple, list[dict]] = {}
+    for run in sorted(runs, key=lambda r: r["seed"]):
+        cells.setdefault(_label(run), []).append(run)
+    rows = []
+    for (method, form, rec), group in cells.items():
+        row = {"method": method, "repair": form, "recovery": rec, "seeds": [r["seed"] for r in group],
+               "prune_seconds": statistics.mean(r["prune_seconds"] for r in group),
+               "repair_seconds": statistics.mean(r["repair_seconds"] for r in group),
+               "recovery_seconds": statistics.mean(r["recovery_seconds"] for r in group),
+               "cloze_acc": _mean(r.get("cloze_acc") for r in group)}
+        for name in HELDOUT:
+            stats = [_stats(r, name) for r in group]
+            row[name] = {m: bootstrap.interval(stats, m, n_boot).as_dict() for m in ("kl", "ppl_ratio")}
+        rows.append(row)
+    verdicts = []
+    for (method, form, rec), group in cells.items():
+        others = [(("repair", "none"), (method, "none", rec))] if form != "none" else []
+        if method != "wanda_sp":
+            others.append((("method", "wanda_sp"), ("wanda_sp", form, rec)))
+        for (axis, _), other in others:
+            if other not in cells:
+                continue
+            seeds = sorted({r["seed"] for r in group} & {r["seed"] for r in cells[other]})
+            if not seeds:
+                continue
+            for name in HELDOUT:
+                a = [_stats(r, name) for r in group if r["seed"] in seeds]
+                b = [_stats(r, name) for r in cells[other] if r["seed"] in seeds]
+                diff = bootstrap.paired_difference(a, b, "kl", n_boot)
+                verdicts.append({"a": "/".join((method, form, rec)), "b": "/".join(other), "axis": axis,
+                                 "heldout": name, "seeds": seeds, "kl_diff": diff.as_dict(),
+                                 "verdict": bootstrap.verdict(diff)})
+    return {"cells": rows, "verdicts": verdicts}
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
+
+
+def table(payload: dict) -> list[str]:
+    """The repair table: one row per cell, then the verdicts of each repair against none."""
+    dense_cloze = payload.get("dense_cloze_acc") or None
+    out = ["# Repair after width pruning (20% of parameters, SmolLM2-135M-Instruct, own sampled texts)", "",
+           "KL(dense || model) per token and perplexity ratio to dense on held-out documents (mean over seeds, 95% "
+           "interval over documents); cloze: WordNet cloze accuracy retained (of the dense model's "
+           f"{dense_cloze or float('nan'):.3f}); seconds on 2 CPU cores.", "",
+           "| criterion | repair | recovery | seeds | Persuasion KL | Persuasion ppl ratio | WordNet KL | "
+           "WordNet ppl ratio | cloze retained | prune s | repair s | recovery s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in payload["summary"]["cells"]:
+        cloze = f"{row['cloze_acc'] / dense_cloze:.3f}" if row["cloze_acc"] is not None and dense_cloze else ""
+        figures = " | ".join(_interval(row[name][m]) for name in HELDOUT for m in ("kl", "ppl_ratio"))
+        out.append(f"| {row['method']} | {row['repair']} | {row['recovery']} | {len(row['seeds'])} | {figures} | "
+                   f"{cloze} | {row['prune_seconds']:.0f} | {row['repair_seconds']:.0f} | "
+                   f"{row['recovery_seconds']:.0f} |")
+    out += ["", "Paired verdicts on KL (a - b, 95% interval over documents, seeds pooled):", "",
+            "| a | b | held-out | KL a - b | verdict |", "|---|---|---|---|---|"]
+    for v in payload["summary"]["verdicts"]:
+        out.append(f"| {v['a']} | {v['b']} | {v['heldout']} | {_interval(v['kl_diff'], signed=True)} | "
+                   f"{v['verdict']} |")
+    return out
+
+
+def _interval(d: dict, signed: bool = False) -> str:
+    fmt = "{:+.3f}" if signed else "{:.3f}"
+    return f"{fmt.format(d['point'])} [{fmt.format(d['low'])}, {fmt.format(d['high'])}]"
+
+
+if __name__ == "__main__":
+    main()
