@@ -31,6 +31,7 @@ from pip_core.vocabulary import (
     PruneTarget,
     RecoveryKind,
     WidthMode,
+    WidthSplit,
 )
 
 
@@ -92,6 +93,10 @@ class ScoringSettings(_Group):
     width_mode: WidthMode = Field("uniform", description="uniform | per-layer: uniform cuts every layer alike, so "
                                   "the output is the family's stock config (vLLM, llama.cpp load it) and "
                                   "protect_first/last do not apply; per-layer keeps a custom config + modeling file")
+    width_split: WidthSplit = Field("params", description="uniform widths: how a step's parameters are shared "
+                                     "between attention groups and MLP channels: params (in proportion to their "
+                                     "parameters) | scores (the split whose removed units have the lowest standardised "
+                                     "scores); --unit mlp or attn prunes one kind alone")
     align: int = Field(64, ge=1, le=4096, description="uniform widths: every layer keeps a multiple of this many "
                        "MLP channels (GPU tile sizes; 1: any width; halved for models too narrow for it)")
     protect_first: int = Field(1, ge=0, description="leading decoder layers never pruned")
@@ -173,7 +178,11 @@ class RecoverySettings(_Group):
     steps: int = Field(0, ge=0, le=1_000_000, description="recovery steps after pruning (0 = off)")
     kind: RecoveryKind = Field("lora", description="lora: LoRA on the LM loss | kd: distillation from the dense model "
                                                  "(KL on logits)")
-    kd_params: KdParams = Field("lora", description="weights that kd trains: lora (adapters, merged back) | full")
+    kd_params: KdParams = Field("lora", description="weights that kd trains: lora (adapters, merged back) | full | "
+                                "consumers (o_proj, down_proj and the norms, at full rank)")
+    warmup: float = Field(0.1, ge=0.0, lt=1.0, description="share of the steps the learning rate warms up over")
+    decay: Literal["cosine", "constant"] = Field("cosine", description="learning rate after the warm-up: cosine "
+                                                 "decay to 0 at the last step, or constant")
     temperature: float = Field(1.0, gt=0.0, le=100.0, description="kd: softmax temperature of both models' logits "
                                                                "(loss scaled by T^2)")
     rank: int = Field(8, ge=1, le=1024, description="LoRA rank (kind lora, or kd with kd_params lora)")
@@ -198,7 +207,8 @@ class RecoverySettings(_Group):
         """This group as pip_core's recovery takes it, with the run's text length and seed."""
         from pip_core.recovery import RecoveryOptions
 
-        fields = self.model_dump(include={"steps", "rank", "lr", "batch_size", "kd_params", "temperature"})
+        fields = self.model_dump(include={"steps", "rank", "lr", "batch_size", "kd_params", "temperature", "warmup",
+                                          "decay"})
         return RecoveryOptions(**fields, max_length=max_length, seed=seed)
 
 
@@ -307,7 +317,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "heldout_samples": ("calibration", "heldout_samples"), "max_length": ("calibration", "max_length"),
     "perturb_rate": ("calibration", "perturb_rate"),
     "unit": ("scoring", "unit"), "method": ("scoring", "method"), "iterations": ("scoring", "iterations"),
-    "width_mode": ("scoring", "width_mode"), "align": ("scoring", "align"),
+    "width_mode": ("scoring", "width_mode"), "align": ("scoring", "align"), "width_split": ("scoring", "width_split"),
     "serve_context": ("serving", "context"), "serve_batch": ("serving", "batch"),
     "protect_first": ("scoring", "protect_first"), "protect_last": ("scoring", "protect_last"),
     "eval_tasks": ("evaluation", "tasks"), "eval_include_path": ("evaluation", "include_path"),

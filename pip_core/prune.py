@@ -16,7 +16,7 @@ from pip_core import alignment, families, rules
 from pip_core.errors import PruneError
 from pip_core.families import Family
 from pip_core.units import Unit, check_supported, family_of, layer_shape, param_count
-from pip_core.vocabulary import WIDTH_MODES
+from pip_core.vocabulary import WIDTH_MODES, WIDTH_SPLITS
 
 
 @dataclass
@@ -31,11 +31,12 @@ class PruneReport:
 
 
 def select(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target_params: int,
-           protect_first: int = 1, protect_last: int = 1, width_mode: str = "per_layer", align: int = 1) -> list[Unit]:
+           protect_first: int = 1, protect_last: int = 1, width_mode: str = "per_layer", align: int = 1,
+           width_split: str = "params") -> list[Unit]:
     """Lowest-scoring units first until `target_params` are covered (overshoot < one unit).
 
-    `width_mode="uniform"` dispatches attention/MLP units to `select_uniform` (with `align`); blocks
-    are always selected here.
+    `width_mode="uniform"` dispatches attention/MLP units to `select_uniform` (with `align` and `width_split`);
+    blocks are always selected here.
 
     The rules are `pip_core.rules` (the planner's too): kinds are ranked separately and each gets
     a share of the target proportional to its prunable parameters, because scores of a whole
@@ -49,7 +50,7 @@ def select(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target
     if target_params <= 0:
         return []
     if width_mode == "uniform" and all(u.kind in ("attn", "mlp") for u in units):
-        return select_uniform(units, scores, target_params, align)
+        return select_uniform(units, scores, target_params, align, width_split)
     protected = rules.protected_layers(1 + max(u.layer for u in units), protect_first, protect_last)
     per_layer_count: dict[tuple[str, int], int] = defaultdict(int)
     for u in units:
@@ -98,11 +99,12 @@ def _as_floats(scores: Sequence[float] | torch.Tensor, units: Sequence[Unit]) ->
 
 
 def select_uniform(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor, target_params: int,
-                   align: int = 1) -> list[Unit]:
+                   align: int = 1, split: str = "params") -> list[Unit]:
     """Remove the same number of units of each kind from EVERY layer, so widths stay uniform and the
     pruned model is the family's stock config. Each layer drops its own lowest-scoring units; the
     per-layer count of each kind is its share of the target (proportional to its parameters, as in
-    `select`), the finest kind absorbing the rounding (`alignment.uniform_cuts`). With `align` > 1
+    `select`), the finest kind absorbing the rounding (`alignment.uniform_cuts`); `split="scores"` takes instead the
+    split whose removed units score lowest (`_split_by_scores`). With `align` > 1
     every layer keeps a multiple of `align` MLP channels (clamped for narrow models). Uniform widths
     cut every layer, so protect_first/protect_last do not apply (use width_mode per_layer to keep layers whole).
     """
@@ -125,7 +127,10 @@ def select_uniform(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor
     if total < target_params:
         raise PruneError(f"cannot remove {target_params:,} parameters uniformly: at most {total:,} while every layer "
                          f"keeps one unit of each kind (MLP widths multiples of {align}); lower the ratio")
-    cut = alignment.uniform_cuts(kinds, target_params)
+    if split not in WIDTH_SPLITS:
+        raise PruneError(f"unknown width split {split!r}; use one of {', '.join(WIDTH_SPLITS)}")
+    cut = (_split_by_scores(by_layer, kinds, target_params) if split == "scores" and len(kinds) > 1
+           else alignment.uniform_cuts(kinds, target_params))
     remaining = target_params - sum(cut[k] * steps[k] for k in cut)
     if remaining > min(c.granularity for c in kinds.values()):
         raise PruneError(f"uniform widths reach only {target_params - remaining:,} of {target_params:,} parameters "
@@ -136,6 +141,42 @@ def select_uniform(units: Sequence[Unit], scores: Sequence[float] | torch.Tensor
             ranked = sorted(layers[layer], key=lambda t: (t[0], t[1].index))
             chosen.extend(u for _, u in ranked[:cut[kind]])
     return chosen
+
+
+def _split_by_scores(by_layer: dict[str, dict[int, list[tuple[float, Unit]]]], kinds: dict[str, alignment.KindCut],
+                     target_params: int) -> dict[str, int]:
+    """The uniform cut whose removed units have the lowest parameter-weighted sum of standardised scores.
+
+    Scores of an attention group and of an MLP channel are not on one scale, so each kind's are standardised over
+    all its units (every layer); then every option of the coarsest kind is tried with the finest kind making up the
+    rest of the target (its nearest option), and the split that removes the least important parameters, by that
+    measure, wins. Splits that miss the target by more than the finest kind's granularity are not candidates; when
+    none is left the parameter split stands.
+    """
+    if len(kinds) != 2:
+        return alignment.uniform_cuts(kinds, target_params)
+    coarse, fine = sorted(kinds, key=lambda k: kinds[k].granularity, reverse=True)
+    ranked: dict[str, list[list[float]]] = {}
+    for kind, layers in by_layer.items():
+        values = torch.tensor([s for v in layers.values() for s, _ in v], dtype=torch.float64)
+        mean, std = values.mean(), values.std().clamp_min(1e-12)
+        ranked[kind] = [sorted(float((s - mean) / std) for s, _ in layers[layer]) for layer in sorted(layers)]
+
+    def cost(kind: str, n: int) -> float:  # parameter-weighted standardised scores of n removed units per layer
+        return kinds[kind].step / len(ranked[kind]) * sum(sum(row[:n]) for row in ranked[kind])
+
+    best: tuple[float, dict[str, int]] | None = None
+    for a in kinds[coarse].options:
+        left = target_params - a * kinds[coarse].step
+        if left < 0:
+            break
+        f = kinds[fine].nearest(left)
+        if abs(left - f * kinds[fine].step) > kinds[fine].granularity:
+            continue
+        total = cost(coarse, a) + cost(fine, f)
+        if best is None or total < best[0]:
+            best = (total, {coarse: a, fine: f})
+    return best[1] if best else alignment.uniform_cuts(kinds, target_params)
 
 
 def _prune_width(layer: nn.Module, family: Family, kind: str, drop: set[int]) -> None:

@@ -7,6 +7,7 @@ Hugging Face directory like any pruned model (no adapter files, no peft needed t
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -38,7 +39,8 @@ class RecoveryOptions:
     #: tokens per text (longer texts are truncated)
     max_length: int = 128
     seed: int = 0
-    #: KD only: "lora" trains adapters merged back, "full" every weight
+    #: KD only: "lora" trains adapters merged back, "full" every weight, "consumers" the consumers and norms at full
+    #: rank (`consumer_params`)
     kd_params: str = "lora"
     #: KD only: softmax temperature of both models' logits
     temperature: float = 1.0
@@ -47,6 +49,10 @@ class RecoveryOptions:
     #: forward passes (teacher and student) under bf16 autocast where the model is fp32 on a CPU with native bf16
     #: (pip_core.precision); weights, optimizer state and the loss stay fp32
     cpu_bf16: bool = True
+    #: share of the steps the learning rate warms up over, linearly from 0 (then it decays as `decay` says)
+    warmup: float = 0.1
+    #: after the warm-up: "cosine" decays to 0 at the last step, "constant" keeps `lr`
+    decay: str = "cosine"
     progress: bool = True
 
 
@@ -95,23 +101,74 @@ def _lora(model: nn.Module, rank: int) -> nn.Module:
 
 
 def _train(trainable: nn.Module, loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-           batches: Iterator[dict[str, torch.Tensor]], lr: float, steps: int, desc: str,
-           progress: bool, cpu_bf16: bool = False) -> tuple[list[float], int]:
-    """AdamW on the parameters of `trainable` that require grad; returns the loss of every step and the tokens seen.
-    `cpu_bf16`: each forward under bf16 autocast where it pays (pip_core.precision), backward outside it."""
+           batches: Iterator[dict[str, torch.Tensor]], o: RecoveryOptions, desc: str) -> tuple[list[float], int]:
+    """AdamW on the parameters of `trainable` that require grad, `o.lr` warmed up and decayed over `o.steps`;
+    returns the loss of every step and the tokens seen. `o.cpu_bf16`: each forward under bf16 autocast where it
+    pays (pip_core.precision), backward outside it."""
     trainable.train()
-    optim = torch.optim.AdamW([p for p in trainable.parameters() if p.requires_grad], lr=lr)
+    optim = torch.optim.AdamW([p for p in trainable.parameters() if p.requires_grad], lr=o.lr)
+    schedule = lr_schedule(optim, o)
     losses: list[float] = []
     tokens = 0
-    for batch in tqdm(batches, total=steps, desc=desc, disable=not progress):
+    for batch in tqdm(batches, total=o.steps, desc=desc, disable=not o.progress):
         tokens += int(batch["attention_mask"].sum())
-        with cpu_bf16_autocast(trainable, cpu_bf16):
+        with cpu_bf16_autocast(trainable, o.cpu_bf16):
             loss = loss_fn(batch)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
+        schedule.step()
         losses.append(float(loss.detach()))
     return losses, tokens
+
+
+def consumer_params(model: nn.Module) -> list[str]:
+    """Names of the parameters kd_params "consumers" trains: every module that reads pruned units (the family's
+    dim-1 slots: o_proj, down_proj) and every norm, from the family table."""
+    family = check_supported(model)
+    slots = {slot.module for kind in ("attn", "mlp") for slot in family.slots(kind) if slot.dim == 1}
+    prefix = family.layers + "."
+    names = []
+    for name, _ in model.named_parameters():
+        module = name.removeprefix(prefix).partition(".")[2] if name.startswith(prefix) else name
+        module = module.rpartition(".")[0]  # less the parameter's own name (weight, bias)
+        if module in slots or "norm" in module.rpartition(".")[2]:
+            names.append(name)
+    return names
+
+
+def _train_only_consumers(model: nn.Module) -> list[nn.Parameter]:
+    """Freeze every parameter but `consumer_params`; returns those frozen here (to be unfrozen after training)."""
+    keep = set(consumer_params(model))
+    frozen = [p for n, p in model.named_parameters() if n not in keep and p.requires_grad]
+    for param in frozen:
+        param.requires_grad_(False)
+    return frozen
+
+
+def lr_schedule(optim: torch.optim.Optimizer, o: RecoveryOptions) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over `o.warmup` of the steps, then a cosine decay or a constant rate: a short recovery on a
+    CPU budget spends its few steps at a rate that neither overshoots at the start nor stays high at the end.
+
+    Step i (from 0) trains at lr x (i + 1) / (w + 1) while i < w, then x (1 + cos(pi (i - w) / (steps - w))) / 2:
+    no step runs at a rate of 0 (transformers' schedules start at 0, a lost step of a 16-step budget).
+    """
+    if o.decay not in DECAYS:
+        raise PipCoreError(f"unknown learning-rate decay {o.decay!r}; use one of {', '.join(DECAYS)}")
+    if not 0.0 <= o.warmup < 1.0:
+        raise PipCoreError(f"warmup is a share of the steps in [0, 1), got {o.warmup}")
+    w, steps = round(o.warmup * o.steps), max(o.steps, 1)
+
+    def factor(i: int) -> float:
+        if i < w:
+            return (i + 1) / (w + 1)
+        return 1.0 if o.decay == "constant" else 0.5 * (1.0 + math.cos(math.pi * (i - w) / max(steps - w, 1)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optim, factor)
+
+
+#: what the learning rate does after the warm-up
+DECAYS = ("cosine", "constant")
 
 
 def recover_lora(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
@@ -129,8 +186,7 @@ def recover_lora(model: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Se
                           labels=labels.to(device)).loss
 
     order = _order(len(texts), o.steps, o.batch_size, o.seed)
-    losses, tokens = _train(peft_model, lm_loss, _batches(tokenizer, texts, order, o.max_length), o.lr, o.steps,
-                            "LoRA recovery", o.progress, o.cpu_bf16)
+    losses, tokens = _train(peft_model, lm_loss, _batches(tokenizer, texts, order, o.max_length), o, "LoRA recovery")
     merged = peft_model.merge_and_unload()
     merged.eval()
     return merged, RecoveryReport(steps=o.steps, first_loss=losses[0], last_loss=losses[-1], losses=tuple(losses),
@@ -166,9 +222,9 @@ def recover_kd(model: nn.Module, teacher: nn.Module | TeacherOutputs, tokenizer:
     The loss is `pip_core.distill.kd_loss` (T^2 * KL(teacher_T || student_T) per token, chunked so no
     model's logits exist for the whole sequence), on the teacher's outputs computed once per text
     before the first step (given a model, here; the same loss as running it on every batch).
-    `kd_params="lora"` trains LoRA adapters and merges them; `"full"` trains every weight of `model`
-    in place. The teacher is never changed. The batches are those of `recover_lora` with the same
-    seed (same token budget). Returns (model, report).
+    `kd_params="lora"` trains LoRA adapters and merges them; `"full"` trains every weight of `model` in place,
+    `"consumers"` only the modules that read pruned units and the norms (`consumer_params`). The teacher is never
+    changed. The batches are those of `recover_lora` with the same seed (same token budget). Returns (model, report).
     """
     o = options
     if o.kd_params not in KD_PARAMS:
@@ -190,10 +246,15 @@ def _distil(model: nn.Module, loss: Callable[[nn.Module, dict[str, torch.Tensor]
     texts = _texts(texts)
     torch.manual_seed(o.seed)
     trainable = _lora(model, o.rank) if o.kd_params == "lora" else model
+    frozen = _train_only_consumers(model) if o.kd_params == "consumers" else []
     order = _order(len(texts), o.steps, o.batch_size, o.seed)
     # peft injects the adapters into `model`'s own modules, so `model` itself runs with them
-    losses, tokens = _train(trainable, lambda batch: loss(model, batch), _batches(tokenizer, texts, order, o.max_length),
-                            o.lr, o.steps, f"KD recovery ({o.kd_params})", o.progress, o.cpu_bf16)
+    try:
+        losses, tokens = _train(trainable, lambda batch: loss(model, batch),
+                                _batches(tokenizer, texts, order, o.max_length), o, f"KD recovery ({o.kd_params})")
+    finally:
+        for param in frozen:
+            param.requires_grad_(True)
     out = trainable.merge_and_unload() if o.kd_params == "lora" else model
     out.eval()
     return out, RecoveryReport(steps=o.steps, first_loss=losses[0], last_loss=losses[-1], losses=tuple(losses),

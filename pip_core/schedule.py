@@ -65,6 +65,9 @@ class ScoringOptions:
     width_mode: str = "uniform"
     #: uniform width mode: every layer keeps a multiple of `align` MLP channels (1: any width)
     align: int = 1
+    #: uniform width mode: "params" shares a step between attention and MLP by their parameters, "scores" by the
+    #: units' standardised scores
+    width_split: str = "params"
 
 
 def score_step(model: nn.Module, data: CalibrationData, spec: StepSpec, options: ScoringOptions,
@@ -79,7 +82,8 @@ def score_step(model: nn.Module, data: CalibrationData, spec: StepSpec, options:
 def select_step(units: Sequence[Unit], scores: Sequence[float], spec: StepSpec, options: ScoringOptions) -> list[Unit]:
     """Second half of a step: the lowest-scoring units worth the step's budget, protected layers excluded."""
     return prune.select(units, scores, spec.params_to_remove, protect_first=options.protect_first,
-                        protect_last=options.protect_last, width_mode=options.width_mode, align=options.align)
+                        protect_last=options.protect_last, width_mode=options.width_mode, align=options.align,
+                        width_split=options.width_split)
 
 
 @dataclass

@@ -39,12 +39,17 @@ FORWARD_ONLY_METHODS = frozenset({"block_influence", "minitron", "wanda_sp"})
 #: or each layer its own count (custom config + modeling file)
 WidthMode = Literal["uniform", "per_layer"]
 WIDTH_MODES: tuple[str, ...] = get_args(WidthMode)
+#: how a uniform width cut shares its parameters between attention and the MLP: in proportion to their parameters,
+#: or the split whose removed units have the lowest standardised scores (pip_core.prune.select_uniform)
+WidthSplit = Literal["params", "scores"]
+WIDTH_SPLITS: tuple[str, ...] = get_args(WidthSplit)
 
 #: what recovery trains on: LoRA on the LM loss, or distillation (KL on logits) from the dense model
 RecoveryKind = Literal["lora", "kd"]
 RECOVERY_KINDS: tuple[str, ...] = get_args(RecoveryKind)
-#: which weights distillation trains: LoRA adapters merged back, or every weight
-KdParams = Literal["lora", "full"]
+#: weights a distillation trains: LoRA adapters merged back, every weight, or at full rank only the consumers (the
+#: modules that read the pruned units: o_proj, down_proj) and the norms
+KdParams = Literal["lora", "full", "consumers"]
 KD_PARAMS: tuple[str, ...] = get_args(KdParams)
 
 #: the largest fraction of parameters a run may remove

@@ -29,7 +29,14 @@ from pip_core import io as core_io
 from pip_core.distill import TeacherOutputs, kd_chunk_tokens
 from pip_core.memory_plan import available_bytes, plan_training
 from pip_core.recompute import activation_checkpointing
-from pip_core.recovery import RecoveryOptions, kd_teacher_outputs, lora_params, recover_kd, recover_lora
+from pip_core.recovery import (
+    RecoveryOptions,
+    consumer_params,
+    kd_teacher_outputs,
+    lora_params,
+    recover_kd,
+    recover_lora,
+)
 from tasks._common import content_key, key_from
 from tasks.calibration import read_heldout, read_recovery
 from tasks.models import HANDOFF, ensure_local, load_model, placement_for, save_model
@@ -98,6 +105,12 @@ def recover(model: ModelRef, calib: CalibrationRef, settings: RecoverySettings, 
                           tokens=report.tokens, teacher_seconds=teacher_seconds, checkpointed_layers=layers)
 
 
+def consumer_params_count(net: Any) -> int:
+    """Parameters kd_params "consumers" trains."""
+    names = set(consumer_params(net))
+    return sum(p.numel() for n, p in net.named_parameters() if n in names)
+
+
 def describe(settings: RecoverySettings) -> str:
     """'LoRA (LM loss)' or 'KD (lora, T=1)': how the recovery stage trains, for logs and the summary."""
     if settings.kind == "kd":
@@ -150,8 +163,8 @@ def checkpointed_layers(net: Any, model: ModelRef, dense: ModelRef, runtime: Run
     # the LM loss takes whole logits; KD's slices are those kd_loss takes (not the whole sequence: the plan then
     # counted 1.3 GiB of logits for SmolLM2-135M's 16-position slices of 0.16 GiB, and checkpointed nothing)
     chunk = (options.chunk_tokens or kd_chunk_tokens(net, options.batch_size)) if kind == "kd" else options.max_length
-    full = kind == "kd" and options.kd_params == "full"
-    trained = core_io.param_count(net) if full else lora_params(net, options.rank)
+    trained = {"full": lambda: core_io.param_count(net), "lora": lambda: lora_params(net, options.rank),
+               "consumers": lambda: consumer_params_count(net)}[options.kd_params if kind == "kd" else "lora"]()
     plan = plan_training(config, placement.dtype, options.batch_size, options.max_length, trained, chunk)
     free = available_bytes(placement.device)
     layers = plan.layers_to_checkpoint(free)

@@ -63,7 +63,7 @@ def scoring_options(scoring: ScoringSettings, max_length: int, gradient_checkpoi
     return ScoringOptions(method=scoring.method, kind=scoring.unit, max_length=max_length,
                           protect_first=scoring.protect_first, protect_last=scoring.protect_last,
                           width_mode=scoring.width_mode, gradient_checkpointing=gradient_checkpointing,
-                          align=scoring.align)
+                          align=scoring.align, width_split=scoring.width_split)
 
 
 @task(name="score-units", cache_key_fn=key_from("model", "calib", "scoring", "spec", "runtime"),

@@ -219,6 +219,31 @@ def test_uniform_selection_cuts_each_layer_by_its_own_scores():
         prune.select(uneven, scores[:-1], 30, width_mode="uniform")
 
 
+
+def test_score_split_takes_the_kind_whose_units_matter_least():
+    """width_split scores: attention groups (2 per layer, 40 parameters each) against MLP channels (8 per layer,
+    10 each), 3 layers, 120 parameters to remove. The parameter split takes 2 channels and half a group's worth of
+    rounding; the score split takes whichever kind the standardised scores say matters least, as a whole."""
+    attn = [units.Unit("attn", layer, j, 40) for layer in range(3) for j in range(2)]
+    mlp = [units.Unit("mlp", layer, j, 10) for layer in range(3) for j in range(8)]
+    found = attn + mlp
+
+    def chosen_kinds(attn_scores: list[float], mlp_scores: list[float], split: str) -> dict[str, int]:
+        chosen = prune.select(found, attn_scores + mlp_scores, 120, width_mode="uniform", width_split=split)
+        assert sum(u.num_params for u in chosen) == 120
+        return {k: sum(u.kind == k for u in chosen) // 3 for k in ("attn", "mlp")}
+
+    # one group per layer far below the other, the MLP channels all alike: the groups go
+    groups_low = ([0.0, 10.0] * 3, [5.0] * 24)
+    assert chosen_kinds(*groups_low, "scores") == {"attn": 1, "mlp": 0}
+    # half of each layer's channels far below the rest, the groups alike: the channels go
+    channels_low = ([5.0] * 6, ([0.0] * 4 + [10.0] * 4) * 3)
+    assert chosen_kinds(*channels_low, "scores") == {"attn": 0, "mlp": 4}
+    # the parameter split does not read the scores
+    assert chosen_kinds(*groups_low, "params") == chosen_kinds(*channels_low, "params")
+    with pytest.raises(PruneError, match="width split"):
+        prune.select(found, [0.0] * len(found), 120, width_mode="uniform", width_split="halves")
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_memory_plan_counts_the_meta_model(model_type):
     model = tiny_family_model(model_type, 300)

@@ -70,7 +70,7 @@ def test_kd_loss_of_the_teacher_against_itself_is_zero(dense, tiny_reference_dir
         assert abs(kd_loss(teacher, teacher, batch["input_ids"], batch["attention_mask"], 2.0, 5).item()) < 1e-6
 
 
-@pytest.mark.parametrize("params,lr", [("lora", 2e-3), ("full", 2e-4)])
+@pytest.mark.parametrize("params,lr", [("lora", 2e-3), ("full", 2e-4), ("consumers", 1e-3)])
 def test_a_few_kd_steps_reduce_kl_to_the_dense_model(dense, tiny_reference_dir, params, lr):
     from pip_core.divergence import divergence
     from pip_core.recovery import RecoveryOptions, recover_kd
@@ -92,6 +92,41 @@ def test_a_few_kd_steps_reduce_kl_to_the_dense_model(dense, tiny_reference_dir, 
     for name, p in teacher.named_parameters():
         assert torch.equal(p, before_teacher[name]), name
         assert p.requires_grad  # restored
+    if params == "consumers":  # only the modules that read pruned units and the norms moved; all trainable again
+        from pip_core.recovery import consumer_params
+
+        trained = set(consumer_params(out))
+        assert any(n.endswith("o_proj.weight") for n in trained) and any(n.endswith("down_proj.weight")
+                                                                            for n in trained)
+        assert any("norm" in n for n in trained) and not any("q_proj" in n or "embed" in n for n in trained)
+        moved = {n for n, p in out.named_parameters() if not torch.equal(p, _pruned(teacher).get_parameter(n))}
+        assert moved and moved <= trained, moved - trained
+        assert all(p.requires_grad for p in out.parameters())
+
+
+def test_learning_rate_warms_up_then_decays_and_never_runs_at_zero():
+    from pip_core.errors import PipCoreError
+    from pip_core.recovery import RecoveryOptions, lr_schedule
+
+    def rates(**kw) -> list[float]:
+        options = RecoveryOptions(steps=16, lr=1.0, **kw)
+        optim = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=options.lr)
+        schedule, out = lr_schedule(optim, options), []
+        for _ in range(options.steps):
+            out.append(optim.param_groups[0]["lr"])
+            optim.step()
+            schedule.step()
+        return out
+
+    cosine = rates(warmup=0.125)  # 2 warm-up steps
+    assert cosine[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert all(a > b for a, b in zip(cosine[2:], cosine[3:], strict=False)) and 0 < cosine[-1] < 0.05
+    assert rates(warmup=0.125, decay="constant")[2:] == [1.0] * 14
+    assert rates(warmup=0.0)[0] == 1.0
+    with pytest.raises(PipCoreError, match="decay"):
+        rates(decay="linear")
+    with pytest.raises(PipCoreError, match="warmup"):
+        rates(warmup=1.5)
 
 
 def test_kd_refuses_bad_settings(dense, tiny_reference_dir):

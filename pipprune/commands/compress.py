@@ -32,6 +32,7 @@ def compress(
     unit: Optional[str] = options.unit(),
     width_mode: Optional[str] = options.width_mode(),
     align: Optional[int] = options.align(),
+    width_split: Optional[str] = typer.Option(None, help=config_help("scoring.width_split")),
     serve_context: Optional[int] = options.serve_context(),
     serve_batch: Optional[int] = options.serve_batch(),
     method: Optional[str] = typer.Option(None, help=config_help("scoring.method")),
@@ -83,7 +84,8 @@ def compress(
             fail("--model is required: a GGUF file, a Hugging Face hub id or a local model directory (or --config "
                  "with `model:`)")
         cfg = _compress_config(model, config, calibration, include_path, tasks, dict(
-            ratio=ratio, target=target, unit=unit, width_mode=width_mode, align=align, serve_context=serve_context,
+            ratio=ratio, target=target, unit=unit, width_mode=width_mode, align=align, width_split=width_split,
+            serve_context=serve_context,
             serve_batch=serve_batch, method=method, iterations=iterations,
             wordlist=wordlist, n_samples=n_samples, seed=seed, eval_limit=eval_limit, registered_model_name=name,
             device=device, dtype=dtype, max_kl=max_kl, max_ppl_ratio=max_ppl_ratio,
