@@ -20,12 +20,18 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.common import calibration_pairs, write
 
 N_BOOT = 2000
 HELDOUT = ("persuasion", "wordnet")
+#: the recoveries a cell may run: the product's own-text default (KD through LoRA, warm-up then cosine decay) and
+#: variants of it, as RecoverySettings fields over that default
+RECOVERIES: dict[str, dict] = {"none": {}, "kd": {}, "kd_constant": {"warmup": 0.0, "decay": "constant"},
+                               "kd_consumers": {"kd_params": "consumers", "lr": 5e-4},
+                               "kd_full": {"kd_params": "full", "lr": 2e-4}}
 
 
 def main() -> None:
@@ -33,7 +39,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True, help="a reference build (held-out sets, cloze task)")
     parser.add_argument("--methods", default="wanda_sp,minitron,taylor,pip")
     parser.add_argument("--repairs", default="none,bias,lstsq")
-    parser.add_argument("--recoveries", default="none,kd", help="none, kd (the product's default recovery)")
+    parser.add_argument("--recoveries", default="none,kd", help=f"of {', '.join(RECOVERIES)} (kd: the product's "
+                        "default recovery)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--ratio", type=float, default=0.2)
     parser.add_argument("--iterations", type=int, default=3)
@@ -43,29 +50,40 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--name", default="repair")
     args = parser.parse_args()
+    # every module a cell uses, imported now: a long run does not pick up files edited while it runs
+    import importlib
+
+    for module in ("benchmarks.quality", "benchmarks.divergence", "infra.config", "infra.lmeval", "pip_core.divergence",
+                   "pip_core.recovery", "pip_core.repair", "pip_core.schedule", "pip_core.self_calibration"):
+        importlib.import_module(module)
+
     bench = Bench.build(args)
     done = _load(args.resume)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for method in args.methods.split(","):
             for form in args.repairs.split(","):
-                keys = [f"{method}|{form}|{rec}|{seed}" for rec in args.recoveries.split(",")]
-                if all(k in done for k in keys):
+                wanted = [rec for rec in args.recoveries.split(",") if f"{method}|{form}|{rec}|{seed}" not in done]
+                if not wanted:
                     continue
-                for key, run in bench.cell(method, form, args.recoveries.split(","), seed).items():
-                    done[key] = run
+                for key, run in bench.cell(method, form, wanted, seed):
+                    done[key] = run  # written as each finishes: a run cut short keeps every figure measured
                     if args.resume:
                         with args.resume.open("a") as fh:
                             fh.write(json.dumps({"key": key, "run": run}) + "\n")
-                payload = bench.payload(done)
-                print(write(args.name, payload, table(payload)), flush=True)
+                    payload = bench.payload(done)
+                    print(write(args.name, payload, table(payload)), flush=True)
     payload = bench.payload(done)
     print(write(args.name, payload, table(payload)))
 
 
 def _load(path: Path | None) -> dict[str, dict]:
+    """Finished runs by key; a recovered run that does not record its recovery settings predates them and is run
+    again."""
     if path is None or not path.exists():
         return {}
-    return {row["key"]: row["run"] for row in map(json.loads, path.read_text().splitlines()) if row}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {row["key"]: row["run"] for row in rows
+            if row["run"]["recovery"] == "none" or "recovery_settings" in row["run"]}
 
 
 class Bench:
@@ -99,8 +117,9 @@ class Bench:
             self._texts[seed] = (pairs, texts, train)
         return self._texts[seed]
 
-    def cell(self, method: str, form: str, recoveries: list[str], seed: int) -> dict[str, dict]:
-        """Prune (+ repair after each step), measure; then each recovery of that model, measured."""
+    def cell(self, method: str, form: str, recoveries: list[str], seed: int) -> Iterator[tuple[str, dict]]:
+        """Prune (+ repair after each step); each recovery of that model ("none": the model as pruned), measured,
+        yielded as (key, run) as soon as it is."""
         from pip_core import prune, schedule
         from pip_core.importance import CalibrationData
         from pip_core.repair import RepairOptions, repair
@@ -125,28 +144,30 @@ class Bench:
                 errors.append([[c.error_before, c.error_after] for c in report.consumers])
         base = {"method": method, "repair": form, "seed": seed, "params": param_count(model), "params_dense": total,
                 "prune_seconds": prune_seconds, "repair_seconds": repair_seconds, "repair_errors": errors}
-        out = {}
         for rec in recoveries:
-            trained, seconds = (model, 0.0) if rec == "none" else self.recover(model, train, seed)
-            out[f"{method}|{form}|{rec}|{seed}"] = {**base, "recovery": rec, "recovery_seconds": seconds,
-                                                    **self.measure(trained)}
-            print(f"{method} {form} {rec} seed {seed}: " + ", ".join(
-                f"{k} ppl x{_stats(out[f'{method}|{form}|{rec}|{seed}'], k).metrics()['ppl_ratio']:.3f}"
-                for k in HELDOUT), flush=True)
-        return out
+            trained, seconds, settings = (model, 0.0, None) if rec == "none" else self.recover(model, rec, train, seed)
+            start = time.perf_counter()
+            run = {**base, "recovery": rec, "recovery_seconds": seconds, "recovery_settings": settings,
+                   **self.measure(trained)}
+            print(f"{method} {form} {rec} seed {seed}: prune {prune_seconds:.0f} s, repair {repair_seconds:.0f} s, "
+                  f"recovery {seconds:.0f} s, measure {time.perf_counter() - start:.0f} s; " + ", ".join(
+                      f"{k} ppl x{_stats(run, k).metrics()['ppl_ratio']:.3f}" for k in HELDOUT), flush=True)
+            yield f"{method}|{form}|{rec}|{seed}", run
 
-    def recover(self, model, train: list[str], seed: int):
-        """The product's default recovery (own-text defaults: KD through LoRA) on a copy of `model`."""
+    def recover(self, model, name: str, train: list[str], seed: int):
+        """Recovery `name` (RECOVERIES: the product's own-text default, or a variant) on a copy of `model`: the
+        trained copy, its seconds and its settings."""
         from infra.config import RecoverySettings, own_text_defaults
         from pip_core.recovery import recover_kd
 
-        settings = RecoverySettings(**own_text_defaults("width")["recovery"])
+        fields = {**own_text_defaults("width")["recovery"], **RECOVERIES[name]}
         if self.args.recovery_steps:
-            settings = settings.model_copy(update={"steps": self.args.recovery_steps})
+            fields["steps"] = self.args.recovery_steps
+        settings = RecoverySettings(**fields)
         start = time.perf_counter()
         trained, _ = recover_kd(copy.deepcopy(model), self.dense, self.tok, train,
                                 settings.options(max_length=128, seed=seed))
-        return trained, time.perf_counter() - start
+        return trained, time.perf_counter() - start, settings.model_dump()
 
     def measure(self, model) -> dict:
         from pip_core.divergence import doc_stats
@@ -248,6 +269,44 @@ def table(payload: dict) -> list[str]:
     for v in payload["summary"]["verdicts"]:
         out.append(f"| {v['a']} | {v['b']} | {v['heldout']} | {_interval(v['kl_diff'], signed=True)} | "
                    f"{v['verdict']} |")
+    return out
+
+
+#: issue 48's targets at 20% removed with default settings and no user data: perplexity ratio per held-out set,
+#: WordNet cloze kept, CPU-seconds of scoring, repair and recovery together
+TARGETS = {"ppl_ratio": {"persuasion": 1.3, "wordnet": 2.0}, "cloze_retained": 0.95, "seconds": 10 * 60}
+
+
+def default_cell() -> tuple[str, str, str]:
+    """(criterion, repair, recovery) that `pipprune compress --model <GGUF> --ratio 0.2` runs (the own-text
+    defaults of infra.config)."""
+    from infra.config import CompressConfig
+
+    config = CompressConfig(model="x.gguf", calibration="self")
+    return config.scoring.method, config.repair.form, "kd" if config.recovery.enabled else "none"
+
+
+def target_rows(payload: dict) -> list[str]:
+    """The targets of the default cell, each measured and judged (rows of the results README's targets table)."""
+    method, form, rec = default_cell()
+    row = next((r for r in payload["summary"]["cells"] if (r["method"], r["repair"], r["recovery"]) == (method, form,
+                                                                                                          rec)), None)
+    if row is None:
+        return []
+    what = f"defaults ({method}, repair {form}, recovery {rec}; {len(row['seeds'])} seeds)"
+    out = []
+    for name, bound in TARGETS["ppl_ratio"].items():
+        ratio = row[name]["ppl_ratio"]["point"]
+        out.append(f"| repair, {what}: {name} perplexity ratio <= {bound} | {ratio:.3f} | "
+                   f"{'met' if ratio <= bound else 'missed'} |")
+    dense = payload.get("dense_cloze_acc")
+    if row["cloze_acc"] is not None and dense:
+        kept = row["cloze_acc"] / dense
+        out.append(f"| repair, {what}: WordNet cloze >= {TARGETS['cloze_retained']:.0%} of dense | {kept:.1%} | "
+                   f"{'met' if kept >= TARGETS['cloze_retained'] else 'missed'} |")
+    seconds = row["prune_seconds"] + row["repair_seconds"] + row["recovery_seconds"]
+    out.append(f"| repair, {what}: scoring + repair + recovery <= {TARGETS['seconds'] // 60} CPU-min | {seconds:.0f} s | "
+               f"{'met' if seconds <= TARGETS['seconds'] else 'missed'} |")
     return out
 
 

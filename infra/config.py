@@ -413,6 +413,14 @@ class CompressConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _exportable_repair(self) -> CompressConfig:
+        if self.export.quant and (self.repair.form == "bias" or (self.repair.form == "lstsq" and self.repair.fit_bias)):
+            raise ValueError("export: the bias repair (and fit_bias) turns on the family's bias switches "
+                             "(attention_bias, mlp_bias), which GGUF metadata cannot state (transformers' GGUF reader "
+                             "rebuilds the model without those biases); use repair lstsq without fit_bias, or no export")
+        return self
+
+    @model_validator(mode="after")
     def _repair_needs_width(self) -> CompressConfig:
         if self.repair.enabled and self.scoring.unit == "block":
             raise ValueError(f"repair: {self.repair.form} refits the layers that lost width against the same layers of "

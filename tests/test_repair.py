@@ -151,6 +151,28 @@ def test_repaired_model_saves_and_reloads_with_the_stock_class(tok, tmp_path, op
     assert layer.self_attn.o_proj.bias.any() and layer.mlp.down_proj.bias.any()
 
 
+def test_lstsq_repaired_model_survives_the_gguf_read_back(tok, tmp_path):
+    """The default form keeps the stock config (no bias switched on): its GGUF file, read back by transformers'
+    loader, gives the directory's logits and token ids. The bias forms are refused for export before any work."""
+    from pydantic import ValidationError
+
+    from infra.config import CompressConfig
+    from infra.gguf_write import write_gguf
+    from tests.test_gguf_export import _compare
+
+    dense = tiny_family_model("llama", len(tok), seed=3)
+    model = _pruned(dense, _uniform)
+    report = repair(model, dense, tok, CALIBRATION, RepairOptions(form="lstsq"))
+    assert report.consumers and not report.bias_switches
+    out = io.save_pruned(model, tok, tmp_path / "repaired")
+    write_gguf(out, out / "m.gguf", "f32")
+    diff, agree = _compare(out, "m.gguf", "f32", text=HELD_OUT[0])
+    assert diff <= 1e-5 and agree == 1.0
+    for repair_group in ({"form": "bias"}, {"form": "lstsq", "fit_bias": True}):
+        with pytest.raises(ValidationError, match="GGUF metadata cannot state"):
+            CompressConfig(model="m.gguf", repair=repair_group, export={"quant": ("q8_0",)})
+
+
 def test_flap_compensation_hand_checked():
     """Columns 0 and 2 kept, column 1 removed: the bias gains column 1 times its input's mean (20)."""
     weight = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
