@@ -221,8 +221,9 @@ class RepairSettings(_Group):
 
     form: RepairForm = Field("none", description="none | lstsq: ridge least-squares refit of each pruned layer's "
                              "output projections (o_proj, down_proj) against the dense model's outputs on the "
-                             "calibration texts | bias: FLAP's bias compensation (where the family's config has a "
-                             "bias switch)")
+                             "calibration texts (blocks: a linear patch folded into the block before each gap) | "
+                             "bias: FLAP's bias compensation (width units, where the family's config has a bias "
+                             "switch)")
     ridge: float = Field(1e-3, ge=0.0, le=1.0, description="lstsq: ridge, as a share of the mean diagonal of the "
                          "inputs' Gram matrix")
     fit_bias: bool = Field(False, description="lstsq: also fit a bias (turns the family's bias switch on)")
@@ -421,11 +422,10 @@ class CompressConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _repair_needs_width(self) -> CompressConfig:
-        if self.repair.enabled and self.scoring.unit == "block":
-            raise ValueError(f"repair: {self.repair.form} refits the layers that lost width against the same layers of "
-                             "the dense model; whole blocks removed leave no such pair (use repair none with unit "
-                             "block, or unit width)")
+    def _repair_fits_the_unit(self) -> CompressConfig:
+        if self.repair.form == "bias" and self.scoring.unit == "block":
+            raise ValueError("repair: bias compensates the columns a width cut removed; whole blocks removed are "
+                             "patched by repair lstsq (a linear map folded into the block before each gap)")
         return self
 
     @model_validator(mode="after")

@@ -70,6 +70,9 @@ class Family:
     #: (kind, config flag) pairs: the stock config switch that gives every Linear slot of that kind a bias
     #: (Llama's `attention_bias` for q/k/v/o, `mlp_bias` for gate/up/down); kinds without one cannot hold a bias
     bias_switches: tuple[tuple[str, str], ...] = ()
+    #: a norm applied to the MLP's output before the residual add (Gemma 2/3, OLMo 2): the MLP's contribution is then
+    #: not linear in down_proj's weight, so a linear patch cannot be folded into it
+    mlp_output_norm: str | None = None
 
     def slots(self, kind: str) -> tuple[Slot, ...]:
         return self.attn if kind == "attn" else self.mlp
@@ -86,6 +89,7 @@ _ATTN_PROJ_NORMS = _ATTN + (Slot("self_attn.q_norm", 0, ("q",)), Slot("self_attn
 _MLP = (Slot("mlp.gate_proj", 0, ("ch",)), Slot("mlp.up_proj", 0, ("ch",)), Slot("mlp.down_proj", 1, ("ch",)))
 _LAYER_TYPES = ("layer_types",)
 _ATTN_BIAS = (("attn", "attention_bias"),)
+_POST_MLP_NORM = "post_feedforward_layernorm"
 
 #: one row per supported family (Qwen3 / Gemma 3 q_norm, k_norm act per head_dim: not sliced)
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -93,14 +97,16 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral", "MistralConfig", "MistralForCausalLM", _ATTN, _MLP),
     Family("qwen2", "Qwen2Config", "Qwen2ForCausalLM", _ATTN, _MLP, layer_fields=_LAYER_TYPES),
     Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", _ATTN, _MLP, layer_fields=_LAYER_TYPES, bias_switches=_ATTN_BIAS),
-    Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM", _ATTN, _MLP, layer_fields=_LAYER_TYPES, bias_switches=_ATTN_BIAS),
+    Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM", _ATTN, _MLP, layer_fields=_LAYER_TYPES, bias_switches=_ATTN_BIAS,
+           mlp_output_norm=_POST_MLP_NORM),
     Family("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", _ATTN, _MLP, layer_fields=_LAYER_TYPES,
-           bias_switches=_ATTN_BIAS),
+           bias_switches=_ATTN_BIAS, mlp_output_norm=_POST_MLP_NORM),
     Family("phi3", "Phi3Config", "Phi3ForCausalLM",
            (Slot("self_attn.qkv_proj", 0, ("q", "kv", "kv")), _O),
            (Slot("mlp.gate_up_proj", 0, ("ch", "ch")), Slot("mlp.down_proj", 1, ("ch",))),
            attn_reads_config_heads=True),
-    Family("olmo2", "Olmo2Config", "Olmo2ForCausalLM", _ATTN_PROJ_NORMS, _MLP, bias_switches=_ATTN_BIAS),
+    Family("olmo2", "Olmo2Config", "Olmo2ForCausalLM", _ATTN_PROJ_NORMS, _MLP, bias_switches=_ATTN_BIAS,
+           mlp_output_norm=_POST_MLP_NORM),
 )}
 #: prefix of the model_type of a per-layer-pruned model ("pipprune_llama")
 PRUNED_PREFIX = "pipprune_"

@@ -17,6 +17,9 @@ states at the current layer are kept for every calibration text, each layer of e
 model's states, one consumer's inputs are gathered per pass (the attention's refit changes the MLP's inputs),
 and the pruned layer is run once more for its output. About three forwards of the calibration set in all.
 
+Block-pruned models (fewer layers than the dense one) are handed to `pip_core.block_patch`, which folds a linear
+patch for each gap into the block before it.
+
 Which columns were kept is read from the weights (`kept_columns`): pruning copies kept columns unchanged, so each
 matches one dense column exactly after any number of pruning steps, and no index has to travel from the prune
 step through the flow. Only the bias form needs them; lstsq needs only the dense model's outputs.
@@ -140,8 +143,9 @@ def _check_pair(pruned: nn.Module, dense: nn.Module) -> Family:
         raise RepairError(f"the dense model is a {dense.config.model_type}, the pruned one a {pruned.config.model_type}")
     p_layers, d_layers = families.decoder_layers(pruned, family), families.decoder_layers(dense, family)
     if len(p_layers) != len(d_layers):
-        raise RepairError(f"the pruned model has {len(p_layers)} decoder layers, the dense one {len(d_layers)}: repair "
-                          "matches layer i to layer i, so it runs on width-pruned models (blocks kept)")
+        raise RepairError(f"the pruned model has {len(p_layers)} decoder layers, the dense one {len(d_layers)}: the "
+                          "width repair matches layer i to layer i (a block-pruned model has fewer layers, and is "
+                          "patched by pip_core.block_patch)")
     return family
 
 
@@ -395,7 +399,13 @@ def _refit(p_module: nn.Linear, d_module: nn.Linear, stats: GramStats, dense_mea
 def repair(pruned: nn.Module, dense: nn.Module, tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
            options: RepairOptions = RepairOptions()) -> RepairReport:
     """Repair, in place, every consumer of `pruned` that lost input columns against `dense` (its unpruned source),
-    on the calibration `texts`; layers that lost nothing are left as they are. See the module docstring."""
+    on the calibration `texts`; layers that lost nothing are left as they are. See the module docstring. A model with
+    fewer blocks than `dense` is block-pruned: its gaps get the linear patch of `pip_core.block_patch` instead."""
+    family = check_supported(pruned)
+    if len(families.decoder_layers(pruned, family)) < len(families.decoder_layers(dense, family)):
+        from pip_core.block_patch import patch_blocks
+
+        return patch_blocks(pruned, dense, tokenizer, texts, options)
     start = time.perf_counter()
     options.check()
     family = _check_pair(pruned, dense)

@@ -260,9 +260,74 @@ def test_refuses_models_that_do_not_correspond(tok):
     dense = tiny_family_model("llama", len(tok), seed=7)
     blocks = copy.deepcopy(dense)
     prune.apply(blocks, [u for u in units.discover(blocks, "block") if u.layer == 2])
-    with pytest.raises(RepairError, match="3 decoder layers, the dense one 4"):
-        repair(blocks, dense, tok, CALIBRATION)
+    with pytest.raises(RepairError, match="4 decoder layers, the dense one 3"):  # fewer blocks: patched (below)
+        repair(dense, blocks, tok, CALIBRATION)
     with pytest.raises(RepairError, match="not its pruned copy"):
         repair(dense, _pruned(dense, _scattered), tok, CALIBRATION)
     with pytest.raises(RepairError, match="unknown repair form 'ols'"):
         repair(_pruned(dense, _scattered), dense, tok, CALIBRATION, RepairOptions(form="ols"))
+
+
+# ---------------------------------------------------------------- removed blocks: the linear patch
+
+def _without_blocks(dense: torch.nn.Module, drop: set[int]) -> torch.nn.Module:
+    model = copy.deepcopy(dense)
+    prune.apply(model, [u for u in units.discover(model, "block") if u.layer in drop])
+    return model
+
+
+def test_block_patch_equals_the_naive_ridge_fit_folded_into_down_proj(tok):
+    """Blocks 2 and 3 of 6 removed: block 1's MLP output m gets T, the ridge lstsq of (dense output of block 3 less
+    the rest of block 1's output) on m, over the unpadded tokens; down_proj becomes T @ W_down. The held-out KL to
+    the dense model falls; the blocks after the gap are untouched."""
+    from pip_core.divergence import divergence
+
+    dense = tiny_family_model("llama", len(tok), seed=4, layers=6)
+    model = _without_blocks(dense, {2, 3})
+    old_down = model.model.layers[1].mlp.down_proj.weight.detach().double().clone()
+    after_gap = {n: p.detach().clone() for n, p in model.model.layers[2].named_parameters()}
+    kl_before = divergence(dense, model, tok, HELD_OUT, max_length=128)["kl"]
+    options = RepairOptions(form="lstsq", ridge=1e-2, batch_size=5)
+    report = repair(model, dense, tok, CALIBRATION, options)
+    assert [(c.layer, c.module) for c in report.consumers] == [(1, "mlp (patch)")]
+    assert report.consumers[0].error_after < report.consumers[0].error_before
+
+    ms, rs = [], []
+    for text in CALIBRATION:  # one text at a time, no padding: the dense model's states (blocks 0-1 are shared)
+        ids = tok(text, truncation=True, max_length=128, return_tensors="pt")["input_ids"]
+        seen = []
+        handle = dense.model.layers[1].mlp.register_forward_hook(lambda m, a, out, seen=seen: seen.append(out[0].double()))
+        with torch.no_grad():
+            states = dense(input_ids=ids, output_hidden_states=True).hidden_states
+        handle.remove()
+        m = seen[0]
+        ms.append(m)
+        rs.append(states[4][0].double() - (states[2][0].double() - m))
+    t, _ = _naive_ridge(torch.cat(ms), torch.cat(rs), options.ridge, with_bias=False)
+    torch.testing.assert_close(model.model.layers[1].mlp.down_proj.weight.double(), t @ old_down, rtol=1e-3, atol=1e-5)
+    for n, p in model.model.layers[2].named_parameters():
+        assert torch.equal(p, after_gap[n]), n
+    assert divergence(dense, model, tok, HELD_OUT, max_length=128)["kl"] < kl_before
+
+
+def test_block_patch_leaves_a_leading_gap_and_refuses_what_it_cannot_patch(tok):
+    from infra.config import CompressConfig
+    from pip_core.block_patch import dense_indices, gaps
+
+    dense = tiny_family_model("llama", len(tok), seed=5, layers=6)
+    model = _without_blocks(dense, {0, 4})
+    indices = dense_indices(model, dense, families.FAMILIES["llama"])
+    assert indices == [1, 2, 3, 5] and gaps(indices, 6) == {2: 4}  # block 0's gap has no block before it
+    assert [c.layer for c in repair(model, dense, tok, CALIBRATION).consumers] == [2]
+    with pytest.raises(RepairError, match="repairs width units"):
+        repair(_without_blocks(dense, {2}), dense, tok, CALIBRATION, RepairOptions(form="bias"))
+    gemma = tiny_family_model("gemma2", len(tok), seed=5, layers=4)
+    with pytest.raises(RepairError, match="post_feedforward_layernorm"):
+        repair(_without_blocks(gemma, {2}), gemma, tok, CALIBRATION)
+    with pytest.raises(RepairError, match="no block of the dense model"):
+        repair(_without_blocks(dense, {2}), tiny_family_model("llama", len(tok), seed=6, layers=6), tok, CALIBRATION)
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="patched by repair lstsq"):
+        CompressConfig(model="m.gguf", unit="block", repair="bias")
+    assert CompressConfig(model="m.gguf", unit="block", repair="lstsq").repair.form == "lstsq"
