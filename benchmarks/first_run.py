@@ -94,7 +94,13 @@ def table(result: dict) -> list[str]:
     peaks = result["summary"].get("stage_peak_bytes") or {}
     lines += [f"| {name} | {seconds:.1f} |" + (f" {peaks[name] / 2**30:.2f} |" if name in peaks else " |")
               for name, seconds in result["stages"].items()]
-    lines += [f"| **total** | **{f['total_s']:.1f}** | |", "", "| target | measured | verdict |", "|---|---|---|"]
+    lines += [f"| **total** | **{f['total_s']:.1f}** | |", ""]
+    if repair := result["summary"].get("repair"):
+        steps = "; ".join(f"step {int(s['iteration'])} {s['error_before']:.3f} -> {s['error_after']:.3f}"
+                          for s in repair.get("steps", []))
+        lines += [f"Repair: **{repair['form']}**" + (f" (repaired layers' output error against the dense model's: "
+                                                     f"{steps})" if steps else "") + ".", ""]
+    lines += ["| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {row}" for row in target_rows(result)]
     lines += ["", "| quality | dense | compressed |", "|---|---|---|"]
     lines += [f"| {name} | {pair[0]} | {pair[1]} |" for name, pair in result["quality"].items()]
