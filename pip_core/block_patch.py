@@ -140,7 +140,7 @@ def _patch(j: int, layer: nn.Module, family: Family, states: list[torch.Tensor],
         handle.remove()
     identity = torch.eye(hidden, dtype=torch.float64)
     before = stats.error(identity, None)
-    t, bias = stats.solve(options.ridge, with_bias=down.bias is not None)
+    t, bias = stats.solve(options.ridge, with_bias=down.bias is not None, prior=identity)  # towards no patch
     after = stats.error(t, bias)
     t = t.to(down.weight.device, torch.float64)
     new_weight = t @ down.weight.double()

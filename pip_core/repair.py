@@ -5,9 +5,10 @@ the family's dim-1 slot), and each layer's output drifts from the dense model's.
 gradient:
 
 - "lstsq" (SlimGPT 2412.18110, ZipLM 2302.04089, Olica 2506.08436): refit the consumer's kept columns so that it
-  reproduces the dense consumer's output, W' = argmin ||W' X_p - Y_d||^2 + lam ||W'||^2, X_p its inputs in the
-  pruned model, Y_d the dense consumer's outputs on the same tokens. The Gram matrices X_p X_p^T and Y_d X_p^T are
-  summed over the tokens in float64, so memory is the layer's, not the data's.
+  reproduces the dense consumer's output, W' = argmin ||W' X_p - Y_d||^2 + lam ||W' - W_p||^2, X_p its inputs in the
+  pruned model, Y_d the dense consumer's outputs on the same tokens, W_p the kept columns as pruning left them (the
+  ridge pulls towards the layer as it is, not towards zero). The Gram matrices X_p X_p^T and Y_d X_p^T are summed
+  over the tokens in float64, so memory is the layer's, not the data's.
 - "bias" (FLAP 2312.11983): the consumer's bias += W_d[:, pruned] @ mean(x_d[pruned]), the mean of what the
   removed columns used to add. It needs a bias, so only where the family's config has a switch giving the
   consumer one (`Family.bias_switches`); the switch's other biases are zeros, and the stock class still loads it.
@@ -61,7 +62,8 @@ class RepairOptions:
 
     #: one of REPAIR_FORMS
     form: str = "lstsq"
-    #: lstsq: lam = ridge x the mean diagonal of the kept inputs' Gram matrix (scale-free; 0: plain least squares)
+    #: lstsq: lam = ridge x the mean diagonal of the kept inputs' Gram matrix (scale-free; 0: plain least squares),
+    #: pulling the refit towards the pruned weights (GramStats.solve)
     ridge: float = 1e-3
     #: lstsq: also fit a bias (an augmented row of ones), switching the family's bias flag on; a consumer that has
     #: a bias already always has it refitted with its columns
@@ -200,15 +202,25 @@ class GramStats:
         self.yy += y.pow(2).sum()
         self.tokens += int(x.shape[0])
 
-    def solve(self, ridge: float, with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """argmin ||W X + b - Y||^2 + lam ||W||^2 (b only `with_bias`, never penalised), lam = ridge x mean diag."""
+    def solve(self, ridge: float, with_bias: bool, prior: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """argmin ||W X + b - Y||^2 + lam ||W - prior||^2 (b only `with_bias`, never penalised; prior None: 0),
+        lam = ridge x the mean diagonal of the inputs' Gram matrix.
+
+        The repair passes the weights it replaces as `prior`: the ridge then pulls the refit towards the pruned layer
+        as it is, not towards zero (which shrinks the layer's output), so a strong ridge means "change little"
+        rather than "output less", and the data moves only what it determines.
+        """
         n = self.g.shape[0] - 1
         size = n + 1 if with_bias else n
         lhs = self.g[:size, :size].clone()
         lam = ridge * float(self.g[:n, :n].diagonal().mean())
         lhs[:n, :n] += lam * torch.eye(n, dtype=torch.float64, device=lhs.device)
+        rhs = self.c[:, :size].clone()
+        if prior is not None:
+            rhs[:, :n] += lam * prior.to(rhs.device, torch.float64)
         try:
-            solution = torch.linalg.solve(lhs, self.c[:, :size].T).T  # lhs is symmetric: (C M^-1)^T = M^-1 C^T
+            solution = torch.linalg.solve(lhs, rhs.T).T  # lhs is symmetric: (C M^-1)^T = M^-1 C^T
         except RuntimeError as exc:  # torch.linalg.LinAlgError: singular without a ridge
             raise RepairError(f"the inputs' Gram matrix is singular ({exc}); use a ridge > 0") from None
         return solution[:, :n], (solution[:, n] if with_bias else None)
@@ -390,7 +402,7 @@ def _refit(p_module: nn.Linear, d_module: nn.Linear, stats: GramStats, dense_mea
     """The consumer's new weight and bias."""
     bias = p_module.bias
     if options.form == "lstsq":
-        return stats.solve(options.ridge, with_bias=bias is not None)
+        return stats.solve(options.ridge, with_bias=bias is not None, prior=p_module.weight.detach())
     kept = kept_columns(p_module.weight, d_module.weight)
     return p_module.weight.detach(), bias.detach().double() + flap_compensation(d_module.weight, kept, dense_mean)
 

@@ -77,13 +77,16 @@ def _per_text(model: torch.nn.Module, tok, modules: list[tuple[int, str]], texts
     return {m: torch.cat(v) for m, v in got.items()}
 
 
-def _naive_ridge(x: torch.Tensor, y: torch.Tensor, ridge: float, with_bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """min ||[X 1] [W b]^T - Y||^2 + lam ||W||^2 by lstsq on the stacked rows [X 1; sqrt(lam) I 0] (b unpenalised)."""
+def _naive_ridge(x: torch.Tensor, y: torch.Tensor, ridge: float, with_bias: bool,
+                 prior: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """min ||[X 1] [W b]^T - Y||^2 + lam ||W - prior||^2 by lstsq on the stacked rows [X 1; sqrt(lam) I 0] against
+    [Y; sqrt(lam) prior^T] (b unpenalised; prior None: 0)."""
     n = x.shape[1]
     lam = ridge * float(x.pow(2).sum(0).mean())
     design = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1) if with_bias else x
-    prior = torch.cat([lam ** 0.5 * torch.eye(n, dtype=x.dtype), torch.zeros(n, design.shape[1] - n, dtype=x.dtype)], 1)
-    solution = torch.linalg.lstsq(torch.cat([design, prior]), torch.cat([y, torch.zeros(n, y.shape[1], dtype=y.dtype)])).solution
+    prior_rows = torch.cat([lam ** 0.5 * torch.eye(n, dtype=x.dtype), torch.zeros(n, design.shape[1] - n, dtype=x.dtype)], 1)
+    target = torch.zeros(n, y.shape[1], dtype=y.dtype) if prior is None else lam ** 0.5 * prior.T.to(y.dtype)
+    solution = torch.linalg.lstsq(torch.cat([design, prior_rows]), torch.cat([y, target])).solution
     return solution[:n].T, (solution[n] if with_bias else torch.zeros(y.shape[1], dtype=y.dtype))
 
 
@@ -94,6 +97,7 @@ def test_streaming_refit_equals_the_naive_ridge_least_squares(tok, fit_bias):
     the dense outputs, with the same ridge; with fit_bias the bias is the ones row's coefficient, unpenalised."""
     dense = tiny_family_model("llama", len(tok), seed=1)
     model = _pruned(dense, _scattered)
+    pruned_weights = {n: p.detach().double().clone() for n, p in model.named_parameters()}
     options = RepairOptions(form="lstsq", ridge=1e-2, fit_bias=fit_bias, batch_size=5)
     report = repair(model, dense, tok, CALIBRATION, options)
     keys = [(c.layer, c.module) for c in report.consumers]
@@ -103,8 +107,9 @@ def test_streaming_refit_equals_the_naive_ridge_least_squares(tok, fit_bias):
     ys = _per_text(dense, tok, keys, CALIBRATION, inputs=False)
     assert report.tokens == next(iter(xs.values())).shape[0]
     layers = families.decoder_layers(model, families.FAMILIES["llama"])
-    for key in keys:
-        weight, bias = _naive_ridge(xs[key], ys[key], options.ridge, fit_bias)
+    for key in keys:  # the ridge pulls towards the weights as pruning left them
+        prior = pruned_weights[f"model.layers.{key[0]}.{key[1]}.weight"]
+        weight, bias = _naive_ridge(xs[key], ys[key], options.ridge, fit_bias, prior)
         module = families.get_module(layers[key[0]], key[1])
         torch.testing.assert_close(module.weight.double(), weight, rtol=1e-3, atol=1e-5)
         assert (module.bias is not None) == fit_bias
@@ -112,6 +117,16 @@ def test_streaming_refit_equals_the_naive_ridge_least_squares(tok, fit_bias):
             torch.testing.assert_close(module.bias.double(), bias, rtol=1e-3, atol=1e-5)
     for c in report.consumers:
         assert c.error_after < c.error_before, c
+
+
+def test_a_strong_ridge_keeps_the_pruned_weights(tok):
+    """The ridge pulls towards the layer as pruning left it: a huge one changes (almost) nothing, no shrinking."""
+    dense = tiny_family_model("llama", len(tok), seed=1)
+    model = _pruned(dense, _scattered)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    repair(model, dense, tok, CALIBRATION, RepairOptions(form="lstsq", ridge=1e6))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, before[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "phi3"])
@@ -303,7 +318,8 @@ def test_block_patch_equals_the_naive_ridge_fit_folded_into_down_proj(tok):
         m = seen[0]
         ms.append(m)
         rs.append(states[4][0].double() - (states[2][0].double() - m))
-    t, _ = _naive_ridge(torch.cat(ms), torch.cat(rs), options.ridge, with_bias=False)
+    t, _ = _naive_ridge(torch.cat(ms), torch.cat(rs), options.ridge, with_bias=False,
+                        prior=torch.eye(ms[0].shape[1], dtype=torch.float64))  # towards no patch
     torch.testing.assert_close(model.model.layers[1].mlp.down_proj.weight.double(), t @ old_down, rtol=1e-3, atol=1e-5)
     for n, p in model.model.layers[2].named_parameters():
         assert torch.equal(p, after_gap[n]), n
