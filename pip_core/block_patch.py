@@ -135,7 +135,7 @@ def _patch(j: int, layer: nn.Module, family: Family, states: list[torch.Tensor],
             out = _run(layer, h, call)
             real = batch.mask.to(out.device)
             m = seen[0][real]
-            stats.add(m, target.to(out.device) - (out[real] - m))
+            stats.add(m, target.to(out.device) - (out[real] - m), relative=options.relative)
     finally:
         handle.remove()
     identity = torch.eye(hidden, dtype=torch.float64)

@@ -68,6 +68,9 @@ class RepairOptions:
     #: lstsq: also fit a bias (an augmented row of ones), switching the family's bias flag on; a consumer that has
     #: a bias already always has it refitted with its columns
     fit_bias: bool = False
+    #: lstsq: weight each token by 1 / ||its dense output||^2 (fit relative errors: massive activations do not
+    #: swamp the fit, GramStats.add); False: plain least squares over the tokens
+    relative: bool = True
     #: calibration texts per padded batch
     batch_size: int = 16
     #: tokens kept of each text
@@ -183,6 +186,17 @@ def flap_compensation(dense_weight: torch.Tensor, kept: torch.Tensor, dense_mean
 
 # ---------------------------------------------------------------- streaming statistics and the solve
 
+def token_weights(y: torch.Tensor) -> torch.Tensor:
+    """1 / ||y_t||^2 per token (the target's squared norm, floored at 1e-6 of the mean).
+
+    Why: a few positions carry massive activations (SmolLM2-135M: the first token's down_proj output in layer 28 has
+    a norm of ~14,000 against ~190 for the others), so a plain least-squares fit spends almost all of its objective
+    on them and degrades every other token; weighting by the inverse squared norm fits each token's relative error.
+    """
+    squared = y.pow(2).sum(-1)
+    return 1.0 / squared.clamp_min(1e-6 * float(squared.mean()) + 1e-30)
+
+
 class GramStats:
     """Sums over tokens of [x;1][x;1]^T, y [x;1]^T and ||y||^2 in float64: all the refit and its error need."""
 
@@ -192,11 +206,17 @@ class GramStats:
         self.yy = torch.zeros((), dtype=torch.float64, device=device)
         self.tokens = 0
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """`x` (tokens, columns) inputs, `y` (tokens, outputs) targets, real positions only."""
-        xa = torch.cat([x.to(self.g.device, torch.float64), x.new_ones(x.shape[0], 1, dtype=torch.float64,
-                                                                            device=self.g.device)], dim=1)
-        y = y.to(self.g.device, torch.float64)
+    def add(self, x: torch.Tensor, y: torch.Tensor, relative: bool = False) -> None:
+        """`x` (tokens, columns) inputs, `y` (tokens, outputs) targets, real positions only. `relative`: each token
+        weighted by 1 / ||y_t||^2, so the fit minimises every token's relative error alike (`token_weights`)."""
+        x, y = x.to(self.g.device, torch.float64), y.to(self.g.device, torch.float64)
+        if relative:
+            w = token_weights(y).sqrt()[:, None]
+            x, y = x * w, y * w
+            ones = w
+        else:
+            ones = x.new_ones(x.shape[0], 1)
+        xa = torch.cat([x, ones], dim=1)
         self.g += xa.T @ xa
         self.c += y.T @ xa
         self.yy += y.pow(2).sum()
@@ -348,7 +368,7 @@ def _dense_pass(layer: nn.Module, targets: Sequence[Consumer], states: list[torc
 
 
 def _pruned_stats(layer: nn.Module, consumer: Consumer, targets: list[torch.Tensor], states: list[torch.Tensor],
-                  calls: list[Call], batches: Sequence[_Batch]) -> GramStats:
+                  calls: list[Call], batches: Sequence[_Batch], relative: bool = False) -> GramStats:
     """The consumer's inputs in the pruned layer against the dense outputs, summed over every batch; the layer
     stops at the consumer."""
     module = families.get_module(layer, consumer.module)
@@ -357,7 +377,7 @@ def _pruned_stats(layer: nn.Module, consumer: Consumer, targets: list[torch.Tens
 
     def capture(module: nn.Module, args: tuple) -> None:
         mask, target = now[0]
-        stats.add(args[0][mask.to(args[0].device)], target)
+        stats.add(args[0][mask.to(args[0].device)], target, relative=relative)
         raise _Stop
 
     handle = module.register_forward_pre_hook(capture)
@@ -455,7 +475,7 @@ def _repair_consumer(c: Consumer, p_layer: nn.Module, d_layer: nn.Module, output
                      dense_mean: torch.Tensor, p_states: list[torch.Tensor], calls: list[Call], batches: Sequence[_Batch],
                      options: RepairOptions) -> ConsumerRepair:
     p_module, d_module = families.get_module(p_layer, c.module), families.get_module(d_layer, c.module)
-    stats = _pruned_stats(p_layer, c, outputs, p_states, calls, batches)
+    stats = _pruned_stats(p_layer, c, outputs, p_states, calls, batches, options.relative)
     before = stats.error(p_module.weight.detach(), p_module.bias)
     weight, bias = _refit(p_module, d_module, stats, dense_mean, options)
     after = stats.error(weight, bias)

@@ -78,27 +78,30 @@ def _per_text(model: torch.nn.Module, tok, modules: list[tuple[int, str]], texts
 
 
 def _naive_ridge(x: torch.Tensor, y: torch.Tensor, ridge: float, with_bias: bool,
-                 prior: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """min ||[X 1] [W b]^T - Y||^2 + lam ||W - prior||^2 by lstsq on the stacked rows [X 1; sqrt(lam) I 0] against
-    [Y; sqrt(lam) prior^T] (b unpenalised; prior None: 0)."""
+                 prior: torch.Tensor | None = None, relative: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """min sum_t w_t ||W x_t + b - y_t||^2 + lam ||W - prior||^2 by lstsq on the stacked rows [X 1; sqrt(lam) I 0]
+    against [Y; sqrt(lam) prior^T], each token's row scaled by sqrt(w_t) = 1 / ||y_t|| when `relative` (else 1);
+    b unpenalised, prior None: 0, lam = ridge x the mean diagonal of the weighted inputs' Gram matrix."""
     n = x.shape[1]
-    lam = ridge * float(x.pow(2).sum(0).mean())
+    w = (1 / y.norm(dim=1))[:, None] if relative else torch.ones(x.shape[0], 1, dtype=x.dtype)
     design = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1) if with_bias else x
+    design, y = design * w, y * w
+    lam = ridge * float(design[:, :n].pow(2).sum(0).mean())
     prior_rows = torch.cat([lam ** 0.5 * torch.eye(n, dtype=x.dtype), torch.zeros(n, design.shape[1] - n, dtype=x.dtype)], 1)
     target = torch.zeros(n, y.shape[1], dtype=y.dtype) if prior is None else lam ** 0.5 * prior.T.to(y.dtype)
     solution = torch.linalg.lstsq(torch.cat([design, prior_rows]), torch.cat([y, target])).solution
     return solution[:n].T, (solution[n] if with_bias else torch.zeros(y.shape[1], dtype=y.dtype))
 
 
-@pytest.mark.parametrize("fit_bias", [False, True])
-def test_streaming_refit_equals_the_naive_ridge_least_squares(tok, fit_bias):
+@pytest.mark.parametrize("fit_bias,relative", [(False, True), (True, True), (False, False)])
+def test_streaming_refit_equals_the_naive_ridge_least_squares(tok, fit_bias, relative):
     """Padded batches of 5 (most rows padded), Gram matrices summed in float64, layer after layer: each repaired
     consumer equals lstsq on its stacked unpadded inputs in the repaired model (its inputs do not depend on it) against
     the dense outputs, with the same ridge; with fit_bias the bias is the ones row's coefficient, unpenalised."""
     dense = tiny_family_model("llama", len(tok), seed=1)
     model = _pruned(dense, _scattered)
     pruned_weights = {n: p.detach().double().clone() for n, p in model.named_parameters()}
-    options = RepairOptions(form="lstsq", ridge=1e-2, fit_bias=fit_bias, batch_size=5)
+    options = RepairOptions(form="lstsq", ridge=1e-2, fit_bias=fit_bias, relative=relative, batch_size=5)
     report = repair(model, dense, tok, CALIBRATION, options)
     keys = [(c.layer, c.module) for c in report.consumers]
     assert keys == [(0, "mlp.down_proj"), (1, "self_attn.o_proj"), (2, "self_attn.o_proj"), (2, "mlp.down_proj")]
@@ -109,7 +112,7 @@ def test_streaming_refit_equals_the_naive_ridge_least_squares(tok, fit_bias):
     layers = families.decoder_layers(model, families.FAMILIES["llama"])
     for key in keys:  # the ridge pulls towards the weights as pruning left them
         prior = pruned_weights[f"model.layers.{key[0]}.{key[1]}.weight"]
-        weight, bias = _naive_ridge(xs[key], ys[key], options.ridge, fit_bias, prior)
+        weight, bias = _naive_ridge(xs[key], ys[key], options.ridge, fit_bias, prior, relative)
         module = families.get_module(layers[key[0]], key[1])
         torch.testing.assert_close(module.weight.double(), weight, rtol=1e-3, atol=1e-5)
         assert (module.bias is not None) == fit_bias
@@ -319,7 +322,7 @@ def test_block_patch_equals_the_naive_ridge_fit_folded_into_down_proj(tok):
         ms.append(m)
         rs.append(states[4][0].double() - (states[2][0].double() - m))
     t, _ = _naive_ridge(torch.cat(ms), torch.cat(rs), options.ridge, with_bias=False,
-                        prior=torch.eye(ms[0].shape[1], dtype=torch.float64))  # towards no patch
+                        prior=torch.eye(ms[0].shape[1], dtype=torch.float64))  # towards no patch, relative errors
     torch.testing.assert_close(model.model.layers[1].mlp.down_proj.weight.double(), t @ old_down, rtol=1e-3, atol=1e-5)
     for n, p in model.model.layers[2].named_parameters():
         assert torch.equal(p, after_gap[n]), n
