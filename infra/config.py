@@ -224,8 +224,8 @@ class RepairSettings(_Group):
                              "calibration texts (blocks: a linear patch folded into the block before each gap) | "
                              "bias: FLAP's bias compensation (width units, where the family's config has a bias "
                              "switch)")
-    ridge: float = Field(1e-3, ge=0.0, le=1.0, description="lstsq: ridge, as a share of the mean diagonal of the "
-                         "inputs' Gram matrix")
+    ridge: float = Field(1e-2, ge=0.0, le=100.0, description="lstsq: ridge towards the pruned weights, as a share of "
+                         "the mean diagonal of the inputs' Gram matrix")
     fit_bias: bool = Field(False, description="lstsq: also fit a bias (turns the family's bias switch on)")
 
     @property

@@ -64,13 +64,14 @@ class RepairOptions:
     form: str = "lstsq"
     #: lstsq: lam = ridge x the mean diagonal of the kept inputs' Gram matrix (scale-free; 0: plain least squares),
     #: pulling the refit towards the pruned weights (GramStats.solve)
-    ridge: float = 1e-3
+    ridge: float = 1e-2
     #: lstsq: also fit a bias (an augmented row of ones), switching the family's bias flag on; a consumer that has
     #: a bias already always has it refitted with its columns
     fit_bias: bool = False
-    #: lstsq: weight each token by 1 / ||its dense output||^2 (fit relative errors: massive activations do not
-    #: swamp the fit, GramStats.add); False: plain least squares over the tokens
-    relative: bool = True
+    #: lstsq: weight each token by 1 / ||its dense output||^2 (fit relative errors, so massive activations do not
+    #: dominate the fit: GramStats.add); off by default: on SmolLM2-135M it was worse than the plain fit (the
+    #: massive positions are attention sinks whose outputs matter; benchmarks/results/history.md)
+    relative: bool = False
     #: calibration texts per padded batch
     batch_size: int = 16
     #: tokens kept of each text

@@ -78,7 +78,7 @@ def _per_text(model: torch.nn.Module, tok, modules: list[tuple[int, str]], texts
 
 
 def _naive_ridge(x: torch.Tensor, y: torch.Tensor, ridge: float, with_bias: bool,
-                 prior: torch.Tensor | None = None, relative: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 prior: torch.Tensor | None = None, relative: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """min sum_t w_t ||W x_t + b - y_t||^2 + lam ||W - prior||^2 by lstsq on the stacked rows [X 1; sqrt(lam) I 0]
     against [Y; sqrt(lam) prior^T], each token's row scaled by sqrt(w_t) = 1 / ||y_t|| when `relative` (else 1);
     b unpenalised, prior None: 0, lam = ridge x the mean diagonal of the weighted inputs' Gram matrix."""
@@ -322,7 +322,7 @@ def test_block_patch_equals_the_naive_ridge_fit_folded_into_down_proj(tok):
         ms.append(m)
         rs.append(states[4][0].double() - (states[2][0].double() - m))
     t, _ = _naive_ridge(torch.cat(ms), torch.cat(rs), options.ridge, with_bias=False,
-                        prior=torch.eye(ms[0].shape[1], dtype=torch.float64))  # towards no patch, relative errors
+                        prior=torch.eye(ms[0].shape[1], dtype=torch.float64), relative=options.relative)  # towards no patch
     torch.testing.assert_close(model.model.layers[1].mlp.down_proj.weight.double(), t @ old_down, rtol=1e-3, atol=1e-5)
     for n, p in model.model.layers[2].named_parameters():
         assert torch.equal(p, after_gap[n]), n
