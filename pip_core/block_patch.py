@@ -37,6 +37,7 @@ from pip_core.repair import (
     _batches,
     _layer_inputs,
     _run,
+    evaluating,
 )
 from pip_core.units import check_supported
 
@@ -89,10 +90,7 @@ def patch_blocks(pruned: nn.Module, dense: nn.Module, tokenizer: PreTrainedToken
     report = RepairReport(form="lstsq", tokens=sum(int(b.mask.sum()) for b in batches))
     if not todo:
         return report
-    was_training = (pruned.training, dense.training)
-    pruned.eval()
-    dense.eval()
-    try:
+    with evaluating(pruned, dense):
         targets = _dense_outputs(dense, family, batches, set(todo.values()))
         states, calls = _layer_inputs(pruned, family, batches)
         for j in tqdm(range(max(todo) + 1), desc="block patch", disable=not options.progress):
@@ -101,9 +99,6 @@ def patch_blocks(pruned: nn.Module, dense: nn.Module, tokenizer: PreTrainedToken
                 report.consumers.append(_patch(j, p_layers[j], family, states, layer_calls, batches,
                                                targets.pop(todo[j]), options))
             states = [_run(p_layers[j], h, call) for h, call in zip(states, layer_calls, strict=True)]
-    finally:
-        pruned.train(was_training[0])
-        dense.train(was_training[1])
     report.seconds = time.perf_counter() - start
     return report
 

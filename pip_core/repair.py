@@ -283,6 +283,19 @@ def _batches(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], options: 
     return out
 
 
+@contextmanager
+def evaluating(*models: nn.Module) -> Iterator[None]:
+    """Every model in eval mode inside the block, each back in its own mode after."""
+    modes = [m.training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(models, modes, strict=True):
+            m.train(mode)
+
+
 #: a layer call's arguments after the hidden states: (positional, keyword)
 Call = tuple[tuple, dict[str, Any]]
 
@@ -449,10 +462,7 @@ def repair(pruned: nn.Module, dense: nn.Module, tokenizer: PreTrainedTokenizerBa
     report = RepairReport(form=options.form, tokens=sum(int(b.mask.sum()) for b in batches), bias_switches=switched)
     if not targets:
         return report
-    was_training = (pruned.training, dense.training)
-    pruned.eval()
-    dense.eval()
-    try:
+    with evaluating(pruned, dense):
         d_states, d_calls = _layer_inputs(dense, family, batches)
         p_states, p_calls = _layer_inputs(pruned, family, batches)
         p_layers, d_layers = families.decoder_layers(pruned, family), families.decoder_layers(dense, family)
@@ -465,9 +475,6 @@ def repair(pruned: nn.Module, dense: nn.Module, tokenizer: PreTrainedTokenizerBa
                 report.consumers.append(_repair_consumer(c, p_layers[i], d_layers[i], outputs.pop(c), means[c], p_states,
                                                          layer_calls_p, batches, options))
             p_states = [_run(p_layers[i], h, call) for h, call in zip(p_states, layer_calls_p, strict=True)]
-    finally:
-        pruned.train(was_training[0])
-        dense.train(was_training[1])
     report.seconds = time.perf_counter() - start
     return report
 
