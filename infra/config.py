@@ -180,9 +180,9 @@ class RecoverySettings(_Group):
                                                  "(KL on logits)")
     kd_params: KdParams = Field("lora", description="weights that kd trains: lora (adapters, merged back) | full | "
                                 "consumers (o_proj, down_proj and the norms, at full rank)")
-    warmup: float = Field(0.1, ge=0.0, lt=1.0, description="share of the steps the learning rate warms up over")
-    decay: Literal["cosine", "constant"] = Field("cosine", description="learning rate after the warm-up: cosine "
-                                                 "decay to 0 at the last step, or constant")
+    warmup: float = Field(0.0, ge=0.0, lt=1.0, description="share of the steps the learning rate warms up over")
+    decay: Literal["cosine", "constant"] = Field("constant", description="learning rate after the warm-up: constant, "
+                                                 "or cosine decay to 0 at the last step")
     temperature: float = Field(1.0, gt=0.0, le=100.0, description="kd: softmax temperature of both models' logits "
                                                                "(loss scaled by T^2)")
     rank: int = Field(8, ge=1, le=1024, description="LoRA rank (kind lora, or kd with kd_params lora)")

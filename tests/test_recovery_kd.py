@@ -118,11 +118,12 @@ def test_learning_rate_warms_up_then_decays_and_never_runs_at_zero():
             schedule.step()
         return out
 
-    cosine = rates(warmup=0.125)  # 2 warm-up steps
+    cosine = rates(warmup=0.125, decay="cosine")  # 2 warm-up steps
     assert cosine[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
     assert all(a > b for a, b in zip(cosine[2:], cosine[3:], strict=False)) and 0 < cosine[-1] < 0.05
     assert rates(warmup=0.125, decay="constant")[2:] == [1.0] * 14
-    assert rates(warmup=0.0)[0] == 1.0
+    assert rates(warmup=0.0, decay="cosine")[0] == 1.0
+    assert rates() == [1.0] * 16  # the default: a constant rate (what the real-model comparison favoured)
     with pytest.raises(PipCoreError, match="decay"):
         rates(decay="linear")
     with pytest.raises(PipCoreError, match="warmup"):
