@@ -350,3 +350,22 @@ def test_block_patch_leaves_a_leading_gap_and_refuses_what_it_cannot_patch(tok):
     with pytest.raises(ValidationError, match="patched by repair lstsq"):
         CompressConfig(model="m.gguf", unit="block", repair="bias")
     assert CompressConfig(model="m.gguf", unit="block", repair="lstsq").repair.form == "lstsq"
+
+
+def test_the_summary_says_what_the_repair_did_or_that_none_ran():
+    import io as stdio
+
+    from rich.console import Console
+
+    from pipprune.commands.summary import _print_repair
+
+    out = stdio.StringIO()
+    console = Console(file=out, width=200)
+    _print_repair(console, {"form": "none", "steps": []})
+    _print_repair(console, {"form": "lstsq", "steps": [
+        {"iteration": 1, "consumers": 30.0, "error_before": 0.214, "error_after": 0.102, "seconds": 4.0},
+        {"iteration": 2, "consumers": 30.0, "error_before": 0.301, "error_after": 0.155, "seconds": 5.0}]})
+    text = out.getvalue()
+    assert "repair: none" in text and "--repair lstsq" in text
+    assert "repair: lstsq after each pruning step, 9 s" in text
+    assert "step 1: 0.214 -> 0.102; step 2: 0.301 -> 0.155" in text
