@@ -341,7 +341,7 @@ def target_rows(payload: dict) -> list[str]:
                                                                                                           rec)), None)
     if row is None:
         return []
-    what = f"defaults ({method}, repair {form}, recovery {rec}; {len(row['seeds'])} seeds)"
+    what = f"defaults ({method}, repair {form}, recovery {rec}; {len(row['seeds'])} seed{'s' if len(row['seeds']) > 1 else ''})"
     out = []
     for name, bound in TARGETS["ppl_ratio"].items():
         ratio = row[name]["ppl_ratio"]["point"]
