@@ -39,7 +39,7 @@ from pip_core.recovery import (
 )
 from tasks._common import content_key, key_from
 from tasks.calibration import read_heldout, read_recovery
-from tasks.models import HANDOFF, ensure_local, load_model, placement_for, save_model
+from tasks.models import ensure_local, load_model, placement_for, save_model
 from tasks.refs import CalibrationRef, ModelRef
 
 log = logging.getLogger(__name__)
@@ -136,13 +136,11 @@ def _teacher_outputs(teacher: ModelRef, runtime: RuntimeSettings, student: Any, 
     """The dense model's outputs on the texts the recovery draws (`student`'s head shared when equal); the dense
     model itself is dropped on return, so its memory is free before training starts.
 
-    Read like any model but kept out of the hand-off, which must keep the model being trained; a copy the repair
-    kept in the reference slot is used and let go (nothing after the teacher pass needs the dense weights in memory).
+    Read like any model but kept out of the hand-off, which must keep the model being trained.
     """
-    dense = load_model(teacher, runtime, transient=True, seq_len=options.max_length)[0]
+    dense = load_model(teacher, runtime, for_update=True, seq_len=options.max_length)[0]
     start = time.perf_counter()
     outputs = kd_teacher_outputs(dense, tokenizer, texts, options, student)
-    HANDOFF.drop("reference")
     del dense
     gc.collect()
     log.info("teacher pass: %d texts in %.1f s, %.0f MB of hidden states kept", len(outputs.hidden),

@@ -1,9 +1,9 @@
 """repair_step: the closed-form repair of a width-pruned model against the dense one (pip_core.repair).
 
 Runs right after each prune step, on the scoring texts (the texts the step's units were chosen on), so the next
-step scores the repaired model. The dense model is read once beside the model in hand and kept in the hand-off's
-reference slot while memory holds two models (every step's repair reads it; the recovery's teacher pass takes it
-and lets it go); the repaired model replaces the pruned one in the hand-off.
+step scores the repaired model. The dense model is read beside the model in hand for each repair and dropped after
+it (no second model is kept through the run: the first run's memory target); the repaired model replaces the
+pruned one in the hand-off.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ def repair_step(model: ModelRef, dense: ModelRef, calib: CalibrationRef, setting
     reproduces `dense`'s outputs on the scoring texts; saved like any pruned step."""
     texts = read_texts(calib)
     net, tokenizer = load_model(model, runtime, for_update=True)
-    reference = load_model(dense, runtime, keep_slot=True)[0]
+    reference = load_model(dense, runtime, transient=True)[0]
     report = repair(net, reference, tokenizer, texts, settings.options(calib.max_length))
+    del reference
     num_params = core_io.param_count(net)  # the bias form adds (zero-initialised, then compensated) biases
     name = content_key(model.fingerprint, dense.fingerprint, calib.data_hash, settings.model_dump())
     repaired = save_model(net, tokenizer, f"{model.fingerprint[:16]}-{settings.form}-{name[:16]}", num_params)
