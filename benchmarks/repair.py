@@ -9,7 +9,9 @@ WordNet cloze accuracy (lm-eval), and the seconds each stage took.
 
 Usage: python -m benchmarks.repair --model .pipprune/reference/smollm2-135m [--methods wanda_sp,minitron,taylor,pip]
        [--repairs none,bias,lstsq] [--recoveries none,kd] [--seeds 0,1,2] [--resume FILE.jsonl] [--name repair]
-A cell already in --resume is not run again, so a long matrix is finished over several invocations.
+A cell already in --resume is not run again, so a long matrix is finished over several invocations. A recovery
+spelled `NAME@STEPS` (`kd_constant@128`) runs that many steps instead of the product's: the points of the curve of
+quality against CPU-seconds (`curve()`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ def main() -> None:
                    "pip_core.recovery", "pip_core.repair", "pip_core.schedule", "pip_core.self_calibration"):
         importlib.import_module(module)
 
+    for rec in args.recoveries.split(","):
+        base, _, steps = rec.partition("@")
+        if base not in RECOVERIES or (steps and not steps.isdigit()):
+            parser.error(f"recovery {rec!r}: NAME or NAME@STEPS with NAME one of {', '.join(RECOVERIES)}")
     bench = Bench.build(args)
     done = _load(args.resume)
     for seed in [int(s) for s in args.seeds.split(",")]:
@@ -167,9 +173,10 @@ class Bench:
         from infra.config import RecoverySettings, own_text_defaults
         from pip_core.recovery import recover_kd
 
-        fields = {**own_text_defaults("width")["recovery"], **RECOVERIES[name]}
-        if self.args.recovery_steps:
-            fields["steps"] = self.args.recovery_steps
+        base, _, steps = name.partition("@")
+        fields = {**own_text_defaults("width")["recovery"], **RECOVERIES[base]}
+        if steps or self.args.recovery_steps:
+            fields["steps"] = int(steps or self.args.recovery_steps)
         settings = RecoverySettings(**fields)
         start = time.perf_counter()
         trained, _ = recover_kd(copy.deepcopy(model), self.dense, self.tok, train,
@@ -313,7 +320,65 @@ def table(payload: dict) -> list[str]:
     for v in payload["summary"]["verdicts"]:
         out.append(f"| {v['a']} | {v['b']} | {v['heldout']} | {_interval(v['kl_diff'], signed=True)} | "
                    f"{v['verdict']} |")
-    return out
+    return out + curve(payload["summary"]["cells"], dense_cloze)
+
+
+def _steps(recovery: str) -> int | None:
+    """KD steps of a default-recovery cell (`kd_constant`: the product's, `kd_constant@N`: N); None otherwise."""
+    from infra.config import own_text_defaults
+
+    base, _, steps = recovery.partition("@")
+    if base == "none":
+        return 0
+    return (int(steps) if steps else own_text_defaults("width")["recovery"]["steps"]) if base == "kd_constant" else None
+
+
+def curve(cells: list[dict], dense_cloze: float | None) -> list[str]:
+    """Quality against CPU-seconds: the default recovery (constant-rate KD) at each step count measured, per
+    criterion and repair, and for each held-out target the step count a line through the last two points (ppl ratio
+    against log steps) puts it at: an extrapolation, labelled so, of what the target would take."""
+    groups: dict[tuple[str, str], list[tuple[int, dict]]] = {}
+    for row in cells:
+        steps = _steps(row["recovery"])
+        if steps is not None:
+            groups.setdefault((row["method"], row["repair"]), []).append((steps, row))
+    groups = {k: sorted(v, key=lambda p: p[0]) for k, v in groups.items() if len(v) > 2}
+    if not groups:
+        return []
+    out = ["", "## Quality against CPU-seconds (the default recovery, constant-rate KD, at each step count)", "",
+           "Seconds: scoring + repair + recovery on 2 cores (the issue's budget: "
+           f"{TARGETS['seconds'] // 60} CPU-minutes).", "",
+           "| criterion | repair | KD steps | seconds | Persuasion ppl ratio | WordNet ppl ratio | cloze retained |",
+           "|---|---|---|---|---|---|---|"]
+    notes = []
+    for (method, form), points in groups.items():
+        for steps, row in points:
+            seconds = row["prune_seconds"] + row["repair_seconds"] + row["recovery_seconds"]
+            cloze = f"{row['cloze_acc'] / dense_cloze:.3f}" if row["cloze_acc"] is not None and dense_cloze else ""
+            out.append(f"| {method} | {form} | {steps} | {seconds:.0f} | "
+                       f"{row['persuasion']['ppl_ratio']['point']:.3f} | {row['wordnet']['ppl_ratio']['point']:.3f} | "
+                       f"{cloze} |")
+        trained = [(s, r) for s, r in points if s > 0]
+        if len(trained) < 2:
+            continue
+        (s1, r1), (s2, r2) = trained[-2:]
+        per_step = (r2["recovery_seconds"] - r1["recovery_seconds"]) / (s2 - s1)
+        for name, bound in TARGETS["ppl_ratio"].items():
+            y1, y2 = r1[name]["ppl_ratio"]["point"], r2[name]["ppl_ratio"]["point"]
+            if y2 <= bound:
+                notes.append(f"- {method}, repair {form}: {name} ratio {y2:.3f} <= {bound} reached at {s2} steps.")
+            elif y2 >= y1:
+                notes.append(f"- {method}, repair {form}: {name} ratio stopped falling ({y1:.3f} at {s1} steps, "
+                             f"{y2:.3f} at {s2}): more steps of this recovery do not reach {bound}.")
+            else:
+                import math
+
+                slope = (y2 - y1) / (math.log(s2) - math.log(s1))
+                need = s2 * math.exp((bound - y2) / slope)
+                notes.append(f"- {method}, repair {form}: {name} ratio {y2:.3f} at {s2} steps; extrapolated along "
+                             f"log steps, <= {bound} needs ~{need:,.0f} steps (~{need * per_step / 60:,.0f} "
+                             f"CPU-minutes of recovery at {per_step:.1f} s a step).")
+    return out + ["", *notes] if notes else out
 
 
 #: issue 48's targets at 20% removed with default settings and no user data: perplexity ratio per held-out set,
