@@ -1,10 +1,9 @@
 """The compress flow: wiring only. Each box of the DAG is a task in `tasks`.
 
-plan budget -> calibrate -> measure the dense model (held-out, lm-eval, serving, samples) -> for each step
-[score units -> select units -> prune -> repair (optional, closed form) -> quick eval -> checkpoint (S3) -> log] ->
-optional recovery, LoRA or KD
-(checkpointed as step N+1) -> measure the compressed model as the dense one was -> quality verdict -> sign ->
-register.
+trim the vocabulary (optional) -> plan budget -> calibrate -> measure the dense model (held-out, lm-eval, serving,
+samples) -> for each step [score units -> select units -> prune -> repair (optional, closed form) -> quick eval ->
+checkpoint (S3) -> log] -> optional recovery, LoRA or KD (checkpointed as step N+1) -> measure the compressed model
+as the dense one was -> quality verdict -> sign -> register.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from tasks.tracking import (
     log_samples,
     tracking_run,
 )
+from tasks.vocab import trim_vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     # 1. inputs: the source model and the calibration texts, both content-addressed; pairs only for a method that
     # perturbs, recovery texts (apart from the scored ones) only when recovery is on
     source = resolve_source(config.model)
+    if config.vocab.enabled:  # the vocabulary first: the rows it drops count towards the target, the layers pay the rest
+        source = trim_vocabulary(source, config.vocab)
     check_export(config, source.model)  # export: a model GGUF cannot express is refused before any work
     budget = plan_budget(config, source)  # the target as a removal ratio and aligned widths, from config.json alone
     clock.lap("inputs")
@@ -74,7 +76,8 @@ def compress_flow(config: CompressConfig, out_dir: str | None = None, overwrite:
     clock.lap("calibration sets")
     run_key = records.run_key_for(config, source.model.fingerprint, calib.data_hash, calib.wordlist_hash)
     lineage = records.lineage_tags(config, run_key, source, calib, str(flow_run.id))
-    stage(f"inputs: {config.model}: {source.model.num_params:,} parameters; {calib.n_texts} calibration texts"
+    stage(f"inputs: {config.model}: {source.params_before:,} parameters"
+          + (f" ({records.describe_vocab(source.vocab)})" if source.vocab else "") + f"; {calib.n_texts} calibration texts"
           + (f" ({calib.n_pairs} perturbed pairs)" if calib.n_pairs else "")
           + (f", {calib.n_recovery} recovery texts" if calib.n_recovery else ""))
     with run_lock(Settings(), run_key), tracking_run(run_key, records.run_params(config, calib), lineage) as run_id:
@@ -125,12 +128,12 @@ def _prune_steps(run: records.RunContext, budget: BudgetRef,
         repaired = repair_step(pruned, run.source.model, run.calib, config.repair, rt) if config.repair.enabled else None
         pruned = repaired.model if repaired else pruned
         quick = quick_eval(pruned, run.calib, rt, reference=run.source.model)
-        metrics = records.step_metrics(quick, pruned, total, selection, stats, repaired)
+        metrics = records.step_metrics(quick, pruned, run.source.params_before, selection, stats, repaired)
         model = checkpoint(run.run_key, i, pruned, selection.table_path,
                            records.step_record(i, selection, metrics, pruned, run.lineage))
         history.append(records.history_row(i, model, metrics))
         log_iteration(run.run_id, i, metrics, selection.table_path, list(selection.units), history)
-        progress.step(i, stats.n_units, len(selection.units), total, model.num_params)
+        progress.step(i, stats.n_units, len(selection.units), run.source.params_before, model.num_params)
         run.memory.between_stages()
     return model, history, done
 
@@ -151,7 +154,7 @@ def _recovery_stage(run: records.RunContext, model: ModelRef, done: list[dict], 
     teacher = run.source.model if config.recovery.kind == "kd" else None  # distillation: the dense model teaches
     result = recover(model, run.calib, config.recovery, config.seed, rt, teacher)
     quick = quick_eval(result.model, run.calib, rt, reference=run.source.model)
-    metrics = records.recovery_metrics(quick, result, history[0]["num_params"])
+    metrics = records.recovery_metrics(quick, result, run.source.params_before)
     recovered = checkpoint(run.run_key, stage_no, result.model, None,
                            records.recovery_record(stage_no, config, metrics, model, result, teacher, run.lineage))
     log_recovery(run.run_id, stage_no, metrics, list(result.losses), config.recovery.model_dump())
@@ -174,7 +177,7 @@ def _finish(run: records.RunContext, model: ModelRef, budget: BudgetRef, dense: 
     verdict = records.quality_verdict(ev, {**records.heldout(history[-1]), **figures})
     provenance = eval_provenance(model, run.calib, final_eval, dense.lm_eval)
     log_eval_provenance(run.run_id, provenance)
-    budget_tags = log_budget(run.run_id, budget, model, run.source.model.num_params)
+    budget_tags = log_budget(run.run_id, budget, model, run.source.params_before)
     signature = sign_checkpoint(model)  # OpenSSF model signature of the final checkpoint, beside it in S3
     version = register_model(config.registered_model_name, model, run.run_id, {
         **records.version_tags(config, run.lineage, model, run.run_id, signature, provenance), **budget_tags,
@@ -187,7 +190,7 @@ def _finish(run: records.RunContext, model: ModelRef, budget: BudgetRef, dense: 
                               records.Judgement(verdict=verdict, samples=samples, memory=memory, figures=figures,
                                                 general_set=general.heldout))
     summary.exports = exports
-    log_final(run.run_id, records.final_metrics(run.source.model.num_params, model, history, dense, final_eval.results,
+    log_final(run.run_id, records.final_metrics(run.source.params_before, model, history, dense, final_eval.results,
                                                 memory, figures), summary.model_dump())
     if run.out_dir:
         export(model, Path(run.out_dir), summary, run.overwrite)

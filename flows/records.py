@@ -50,6 +50,11 @@ from infra.tags import (
     SOURCE_GGUF_SHA256,
     SOURCE_MODEL,
     UNIT,
+    VOCAB_CORPUS,
+    VOCAB_CORPUS_SHA256,
+    VOCAB_DENSE_FINGERPRINT,
+    VOCAB_KEPT_SHA256,
+    VOCAB_TOKENS,
     WORDLIST_HASH,
 )
 from infra.version import code_digest, git_sha
@@ -100,6 +105,9 @@ class CompressSummary(BaseModel):
     #: the closed-form repair after each pruning step: {"form": ..., "steps": [{iteration, consumers, error_before,
     #: error_after, seconds}]} (form "none": no repair ran)
     repair: dict[str, Any] = {}
+    #: the vocabulary trimmed before any unit was pruned (tasks.vocab): its record, without the kept ids (None:
+    #: kept whole). `metrics_before` are then of the trimmed model: the run's dense model
+    vocab: dict[str, Any] | None = None
 
 @dataclass(frozen=True)
 class RunContext:
@@ -171,7 +179,7 @@ def lineage_tags(config: CompressConfig, run_key: str, source: SourceRef, calib:
     return {
         RUN_KEY: run_key,
         SOURCE_MODEL: config.model,
-        SOURCE_FINGERPRINT: source.model.fingerprint,
+        SOURCE_FINGERPRINT: source.given.fingerprint,
         CALIBRATION_HASH: calib.data_hash,
         WORDLIST_HASH: calib.wordlist_hash,
         CONFIG_DIGEST: config.digest(),
@@ -179,7 +187,25 @@ def lineage_tags(config: CompressConfig, run_key: str, source: SourceRef, calib:
         GIT_SHA: git_sha(),
         PREFECT_FLOW_RUN_ID: flow_run_id,
         **gguf_tags(source.gguf),
+        **vocab_tags(source.vocab),
     }
+
+
+def vocab_tags(record: dict | None) -> dict[str, str]:
+    """What the vocabulary was trimmed to, when it was: the corpus, its sha256, the kept ids' sha256, the tokens
+    before and after and the trimmed dense model's fingerprint (the model the run pruned and its teacher)."""
+    if not record:
+        return {}
+    return {VOCAB_CORPUS: record["corpus"][:500], VOCAB_CORPUS_SHA256: record["corpus_sha256"],
+            VOCAB_KEPT_SHA256: record["kept_sha256"], VOCAB_TOKENS: f"{record['vocab_before']}->{record['vocab_after']}",
+            VOCAB_DENSE_FINGERPRINT: record["dense_fingerprint"]}
+
+
+def describe_vocab(record: dict) -> str:
+    """One line: the trim's tokens and the parameters it took."""
+    removed = record["params_before"] - record["params_after"]
+    return (f"vocabulary {record['vocab_before']:,} -> {record['vocab_after']:,} tokens, {removed:,} parameters "
+            f"({removed / record['params_before']:.1%}) trimmed to {record['corpus']}")
 
 
 def gguf_tags(record: dict | None) -> dict[str, str]:
@@ -374,7 +400,7 @@ def recovery_tags(config: CompressConfig) -> dict[str, str]:
 
 def summary(run: RunContext, version: str, model: ModelRef, history: list[dict], dense: DenseFigures,
             final_eval: dict, resumed: Resumed, judgement: Judgement) -> CompressSummary:
-    total, ev = run.source.model.num_params, run.config.evaluation
+    total, ev = run.source.params_before, run.config.evaluation
     return CompressSummary(
         run_key=run.run_key, mlflow_run_id=run.run_id, registered_model=run.config.registered_model_name,
         model_version=version, s3_uri=model.s3_uri or "", out_dir=run.out_dir, params_before=total,
@@ -389,7 +415,7 @@ def summary(run: RunContext, version: str, model: ModelRef, history: list[dict],
         baseline_rss_bytes=int(judgement.memory["run.baseline_rss_bytes"]),
         run_memory_over_weights=judgement.memory["run.run_memory_over_weights"],
         stage_seconds=_final_lap(run.clock), stage_peak_bytes=dict(run.clock.peaks),
-        repair=repair_summary(run.config.repair.form, history))
+        repair=repair_summary(run.config.repair.form, history), vocab=run.source.vocab)
 
 
 def repair_summary(form: str, history: list[dict]) -> dict[str, Any]:

@@ -239,6 +239,20 @@ class RepairSettings(_Group):
         return RepairOptions(form=self.form, ridge=self.ridge, fit_bias=self.fit_bias, max_length=max_length)
 
 
+class VocabSettings(_Group):
+    """Vocabulary trimming before any unit is pruned (infra.vocab_source, pip_core.vocab_trim): its rows count towards
+    the target, so the layers pay only the rest."""
+
+    corpus: str | None = Field(None, description="keep only the tokens this corpus encodes to (with the tokens their "
+                               "merges build on, the special and byte tokens): a .txt file (one text per paragraph), "
+                               "a .jsonl file ('text' per line) or 'public' (the English text the install fetches); "
+                               "the embedding and LM-head rows of the rest count towards the target")
+
+    @property
+    def enabled(self) -> bool:
+        return self.corpus is not None
+
+
 class ExportSettings(_Group):
     """Optional last stage: the registered version exported as GGUF child versions (flows.export)."""
 
@@ -324,7 +338,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "eval_tasks": ("evaluation", "tasks"), "eval_include_path": ("evaluation", "include_path"),
     "eval_limit": ("evaluation", "limit"), "max_kl": ("evaluation", "max_kl"),
     "max_ppl_ratio": ("evaluation", "max_ppl_ratio"), "min_distinct_ratio": ("evaluation", "min_distinct_ratio"),
-    "device": ("runtime", "device"), "dtype": ("runtime", "dtype"),
+    "device": ("runtime", "device"), "dtype": ("runtime", "dtype"), "vocab_corpus": ("vocab", "corpus"),
 }
 
 
@@ -347,6 +361,7 @@ class CompressConfig(BaseModel):
     calibration: CalibrationSettings
     scoring: ScoringSettings = ScoringSettings()
     evaluation: EvaluationSettings = EvaluationSettings()
+    vocab: VocabSettings = VocabSettings()
     repair: RepairSettings = RepairSettings()
     recovery: RecoverySettings = RecoverySettings()
     serving: ServingSettings = ServingSettings()
@@ -367,6 +382,8 @@ class CompressConfig(BaseModel):
             data["calibration"] = {"source": data["calibration"]}
         if isinstance(data.get("repair"), str):  # `repair: lstsq`, `--repair lstsq`
             data["repair"] = {"form": data["repair"]}
+        if isinstance(data.get("vocab"), str):  # `vocab: public`
+            data["vocab"] = {"corpus": data["vocab"]}
         for flat, (group, field) in FLAT_KEYS.items():
             if flat in data:
                 value = data.pop(flat)
@@ -452,7 +469,9 @@ class CompressConfig(BaseModel):
 
     def result_defining(self) -> dict:
         """The settings that decide the pruned weights: where inputs live and how they are evaluated do not."""
-        payload = self.model_dump(mode="json", exclude={"model", "evaluation", "registered_model_name", "export"})
+        # the vocabulary's corpus is a location: what it kept is in the trimmed source's fingerprint, which keys the run
+        payload = self.model_dump(mode="json", exclude={"model", "evaluation", "registered_model_name", "export",
+                                                        "vocab"})
         payload["calibration"] = {k: v for k, v in payload["calibration"].items() if k not in ("source", "wordlist")}
         payload["serving"] = {k: payload["serving"][k] for k in ("context", "batch")}  # what a memory budget counts
         payload["runtime"] = {k: payload["runtime"][k] for k in ("device", "dtype")}  # where scoring runs does not

@@ -251,8 +251,9 @@ def _check_recovery(i: int, meta: dict, previous, tags: dict[str, str]) -> list[
     if previous is not None and meta.get("pruned_model_fingerprint") != previous.metadata.get("model_fingerprint"):
         problems.append(f"iteration {i}: recovery started from {str(meta.get('pruned_model_fingerprint'))[:12]}, "
                         f"not the checkpoint of step {i - 1}")
-    if (meta.get("recovery") or {}).get("kind") == "kd" and \
-            meta.get("teacher_fingerprint") != tags.get(tag_names.SOURCE_FINGERPRINT):
+    # the teacher is the run's dense model: the source, or its vocabulary-trimmed copy when the run trimmed one
+    dense = tags.get(tag_names.VOCAB_DENSE_FINGERPRINT) or tags.get(tag_names.SOURCE_FINGERPRINT, "")
+    if (meta.get("recovery") or {}).get("kind") == "kd" and meta.get("teacher_fingerprint") != dense:
         problems.append(f"iteration {i}: distilled from teacher {str(meta.get('teacher_fingerprint'))[:12]}, "
-                        f"not the source model {tags.get(tag_names.SOURCE_FINGERPRINT, '')[:12]}")
+                        f"not the source model {dense[:12]}")
     return problems

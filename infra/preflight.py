@@ -45,7 +45,8 @@ def check_inputs(config: CompressConfig) -> BudgetPlan:
                   if config.evaluation.include_path or t != BUILTIN_CLOZE_TASK)
     if named:
         check_eval_tasks(named, config.evaluation.include_path)
-    budget = check_budget(config, model_config)  # from config.json alone: an infeasible target reads no weights
+    vocab_after = check_vocab(config, local) if config.vocab.enabled else None
+    budget = check_budget(config, model_config, vocab_after)  # no weights read: an infeasible target fails in seconds
     check_weights_intact(local)
     core_io.check_weights(local, model_config)
     placement = plan_placement(model_config, config.runtime.device, config.runtime.dtype,
@@ -56,14 +57,28 @@ def check_inputs(config: CompressConfig) -> BudgetPlan:
     return budget
 
 
-def check_budget(config: CompressConfig, model_config: dict) -> BudgetPlan:
+def check_vocab(config: CompressConfig, local: Path) -> int:
+    """The tokens the vocabulary corpus keeps (the tokenizer and the corpus read, no weights); a missing corpus file
+    or a tokenizer the trim cannot rewrite is refused by name."""
+    from infra.budgeting import kept_tokens
+    from infra.vocab_source import VocabSourceError
+    from pip_core.errors import PipCoreError
+
+    try:
+        return kept_tokens(local, config.vocab.corpus)
+    except (VocabSourceError, PipCoreError) as exc:
+        raise PreflightError(f"vocab corpus {config.vocab.corpus!r}: {exc}") from None
+
+
+def check_budget(config: CompressConfig, model_config: dict, vocab_after: int | None = None) -> BudgetPlan:
     """Refuse a target the run cannot meet, naming the nearest feasible one (pip_core.budget), and one that guts
-    the decoder layers unless the config confirms it (`allow_deep_cut`); the plan otherwise."""
+    the decoder layers unless the config confirms it (`allow_deep_cut`); the plan otherwise. `vocab_after`: the
+    vocabulary is trimmed to that many tokens first (its rows count towards the target)."""
     from infra.budgeting import deep_cut_refusal, plan_for, refusal
     from pip_core.budget import BudgetError
 
     try:
-        plan = plan_for(config, model_config)
+        plan = plan_for(config, model_config, vocab_after)
     except BudgetError as exc:
         raise PreflightError(refusal(exc)) from None
     if plan.body.deep and not config.allow_deep_cut:

@@ -24,9 +24,17 @@ SOURCE_GGUF_FILE = "pipprune.source_gguf_file"
 SOURCE_GGUF_PATH = "pipprune.source_gguf_path"
 SOURCE_GGUF_SHA256 = "pipprune.source_gguf_sha256"
 SOURCE_GGUF_QUANT_TYPES = "pipprune.source_gguf_quant_types"
+# a vocabulary trimmed before pruning: the corpus, its sha256, the kept token ids' sha256, the tokens before->after,
+# and the trimmed dense model's fingerprint (the model the run pruned, and its KD teacher)
+VOCAB_CORPUS = "pipprune.vocab.corpus"
+VOCAB_CORPUS_SHA256 = "pipprune.vocab.corpus_sha256"
+VOCAB_KEPT_SHA256 = "pipprune.vocab.kept_sha256"
+VOCAB_TOKENS = "pipprune.vocab.tokens"
+VOCAB_DENSE_FINGERPRINT = "pipprune.vocab.dense_fingerprint"
 #: the tags a version inherits from its run and `lineage` checks against the run's own
 LINEAGE = (RUN_KEY, SOURCE_MODEL, SOURCE_FINGERPRINT, CALIBRATION_HASH, WORDLIST_HASH, CONFIG_DIGEST, CODE_DIGEST,
-           GIT_SHA, PREFECT_FLOW_RUN_ID, SOURCE_GGUF_FILE, SOURCE_GGUF_PATH, SOURCE_GGUF_SHA256, SOURCE_GGUF_QUANT_TYPES)
+           GIT_SHA, PREFECT_FLOW_RUN_ID, SOURCE_GGUF_FILE, SOURCE_GGUF_PATH, SOURCE_GGUF_SHA256, SOURCE_GGUF_QUANT_TYPES,
+           VOCAB_CORPUS, VOCAB_CORPUS_SHA256, VOCAB_KEPT_SHA256, VOCAB_TOKENS, VOCAB_DENSE_FINGERPRINT)
 
 # the registered version: where its weights are and what produced them
 MODEL_FINGERPRINT = "pipprune.model_fingerprint"

@@ -19,8 +19,13 @@ import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from infra.layout import model_dir_layout
 from infra.reference import sources
+
+if TYPE_CHECKING:
+    from pip_core.vocab_trim import VocabTrim
 
 log = logging.getLogger(__name__)
 
@@ -97,24 +102,48 @@ def read_trim_record(model_dir: str | Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+@dataclass(frozen=True)
+class KeptVocabulary:
+    """What a corpus keeps of a tokenizer's vocabulary: the trim, and the corpus as read and encoded (the round
+    trip compares the trimmed tokenizer's encodings with these)."""
+
+    corpus: str
+    corpus_sha256: str
+    texts: list[str]
+    encoded: list[list[int]]
+    trim: VocabTrim
+
+
+def kept_vocabulary(tokenizer, corpus: str, cache: Path) -> KeptVocabulary:  # noqa: ANN001 - a fast tokenizer
+    """The tokens `corpus` keeps of `tokenizer` (no weights read: what `plan` and the preflight count)."""
+    from pip_core.vocab_trim import tokens_to_keep
+
+    if not getattr(tokenizer, "is_fast", False):
+        raise VocabSourceError("vocabulary trimming rewrites a fast tokenizer (tokenizer.json); this model has none")
+    name, texts = corpus_texts(corpus, cache)
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    data = json.loads(tokenizer.backend_tokenizer.to_str())
+    trim = tokens_to_keep(data, encoded, also=tokenizer.all_special_ids)
+    return KeptVocabulary(name, hashlib.sha256("\n\n".join(texts).encode()).hexdigest(), texts, encoded, trim)
+
+
 def trim_to_dir(model_dir: Path, corpus: str, out: Path, cache: Path) -> TrimRecord:
     """Write `model_dir` with its vocabulary trimmed to `corpus` at `out` (refused if `out` exists)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pip_core.units import param_count
-    from pip_core.vocab_trim import tokens_to_keep, trim_model, trimmed_tokenizer_config, trimmed_tokenizer_json
+    from pip_core.vocab_trim import trim_model, trimmed_tokenizer_config, trimmed_tokenizer_json
 
     if out.exists():
         raise VocabSourceError(f"{out} exists; name a new directory (pipprune never overwrites one)")
     if not (model_dir / "tokenizer.json").is_file():
         raise VocabSourceError(f"{model_dir} has no tokenizer.json: vocabulary trimming rewrites a fast tokenizer")
-    name, texts = corpus_texts(corpus, cache)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    kept = kept_vocabulary(AutoTokenizer.from_pretrained(model_dir), corpus, cache)
+    trim, texts = kept.trim, kept.texts
     data = json.loads((model_dir / "tokenizer.json").read_text())
-    trim = tokens_to_keep(data, encoded, also=tokenizer.all_special_ids)
-    log.info("vocabulary: %d of %d tokens kept for %d texts of %s", len(trim.keep), trim.vocab_before, len(texts), name)
+    log.info("vocabulary: %d of %d tokens kept for %d texts of %s", len(trim.keep), trim.vocab_before, len(texts),
+             kept.corpus)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
     with torch.no_grad():
         before = param_count(model)
@@ -127,13 +156,16 @@ def trim_to_dir(model_dir: Path, corpus: str, out: Path, cache: Path) -> TrimRec
         for file in _TOKENIZER_FILES:
             if (model_dir / file).is_file():
                 shutil.copy(model_dir / file, tmp / file)
+        layout = model_dir_layout(model_dir)
+        for folder in (layout.calibration.parent, layout.tasks):  # a reference build's texts and tasks go with it
+            if folder.is_dir():
+                shutil.copytree(folder, tmp / folder.name)
         (tmp / "tokenizer.json").write_text(json.dumps(trimmed_tokenizer_json(data, trim), ensure_ascii=False))
         if (model_dir / "tokenizer_config.json").is_file():
             config = json.loads((model_dir / "tokenizer_config.json").read_text())
             (tmp / "tokenizer_config.json").write_text(json.dumps(trimmed_tokenizer_config(config, trim), indent=1))
-        _check_round_trip(tmp, texts, encoded, trim)
-        record = TrimRecord(source=str(model_dir), corpus=name,
-                            corpus_sha256=hashlib.sha256("\n\n".join(texts).encode()).hexdigest(),
+        _check_round_trip(tmp, texts, kept.encoded, trim)
+        record = TrimRecord(source=str(model_dir), corpus=kept.corpus, corpus_sha256=kept.corpus_sha256,
                             corpus_texts=len(texts), vocab_before=trim.vocab_before, vocab_after=len(trim.keep),
                             params_before=before, params_after=after, kept_sha256=trim.digest)
         (tmp / TRIM_RECORD).write_text(json.dumps({**asdict(record), "kept_ids": list(trim.keep)}))
@@ -142,6 +174,27 @@ def trim_to_dir(model_dir: Path, corpus: str, out: Path, cache: Path) -> TrimRec
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return record
+
+
+def cached_copy_dir(fingerprint: str, corpus_sha256: str, cache: Path) -> Path:
+    """Where the trimmed copy of the model with `fingerprint` to the corpus with `corpus_sha256` lies in the cache
+    (what a registered version's lineage tags name, so a later export finds its dense model)."""
+    return cache / "vocab" / hashlib.sha256(f"{fingerprint}|{corpus_sha256}".encode()).hexdigest()[:20]
+
+
+def trimmed_copy(model_dir: Path, fingerprint: str, corpus: str, cache: Path) -> tuple[Path, dict]:
+    """`model_dir` trimmed to `corpus`, written once into the cache under a name made of the source's content and
+    the corpus's (a rerun, or a resumed run, reads the same directory), and its record (without the kept ids)."""
+    _, texts = corpus_texts(corpus, cache)
+    out = cached_copy_dir(fingerprint, hashlib.sha256("\n\n".join(texts).encode()).hexdigest(), cache)
+    if read_trim_record(out) is None:
+        try:
+            trim_to_dir(model_dir, corpus, out, cache)
+        except VocabSourceError:
+            if read_trim_record(out) is None:  # not another run writing the same directory first
+                raise
+    record = read_trim_record(out)
+    return out, {k: v for k, v in record.items() if k != "kept_ids"}
 
 
 def _check_round_trip(model_dir: Path, texts: list[str], encoded: list[list[int]], trim) -> None:  # noqa: ANN001

@@ -200,6 +200,20 @@ class BodyCut:
 
 
 @dataclass(frozen=True)
+class VocabCut:
+    """The vocabulary trimmed before any width or block is pruned (pip_core.vocab_trim): its tokens before and after,
+    and the embedding and LM-head parameters that go with the dropped ones (both tensors when untied)."""
+
+    tokens_before: int
+    tokens_after: int
+    params_removed: int
+
+    def describe(self, params_before: int) -> str:
+        return (f"vocabulary {self.tokens_before:,} -> {self.tokens_after:,} tokens: {self.params_removed:,} "
+                f"parameters ({self.params_removed / params_before:.1%} of the model)")
+
+
+@dataclass(frozen=True)
 class BudgetPlan:
     """The target, what the run will reach, and the step-by-step schedule that reaches it."""
 
@@ -223,6 +237,8 @@ class BudgetPlan:
     body: BodyCut
     steps: list[StepPlan] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: the vocabulary trimmed first (None: kept whole); its parameters count towards the target
+    vocab: VocabCut | None = None
 
     @property
     def achieved_ratio(self) -> float:
@@ -232,10 +248,16 @@ class BudgetPlan:
         return {**asdict(self), "achieved_ratio": self.achieved_ratio,
                 "body": {**asdict(self.body), "removed": self.body.removed, "deep": self.body.deep}}
 
+    def describe(self) -> str:
+        """Where the target's parameters come from: the vocabulary (when it is trimmed first), then the layers."""
+        first = f"the {self.vocab.describe(self.params_before)}, then " if self.vocab else ""
+        return f"{self.target} takes {first}{self.body.describe()}"
+
     def largest_shallow_ratio(self) -> float:
         """The largest whole-model ratio that removes at most `DEEP_CUT` of the decoder layers' parameters (two
         decimals, rounded down): what to offer a user whose target is `body.deep`."""
-        return math.floor(DEEP_CUT * self.body.params_before / self.params_before * 100) / 100
+        trimmed = self.vocab.params_removed if self.vocab else 0
+        return math.floor((DEEP_CUT * self.body.params_before + trimmed) / self.params_before * 100) / 100
 
 
 
@@ -328,8 +350,13 @@ class _Planner:
 
 
 def plan_budget(config: dict, target: Target | str, selection: rules.Selection = rules.Selection(), *,
-                iterations: int = 1, dtype: str = "auto", serving: Serving | None = None) -> BudgetPlan:
-    """The plan for `target` on the model `config` describes, or BudgetError naming the nearest feasible target."""
+                iterations: int = 1, dtype: str = "auto", serving: Serving | None = None,
+                vocab_after: int | None = None) -> BudgetPlan:
+    """The plan for `target` on the model `config` describes, or BudgetError naming the nearest feasible target.
+
+    `vocab_after`: the vocabulary is trimmed to that many tokens first, and the rows it drops count towards the
+    target; the units then pay only the rest (the plan's `ratio` and steps are of the trimmed model, which is what
+    the flow's schedule prunes)."""
     target = Target.parse(target) if isinstance(target, str) else target
     unit, width_mode, align = selection.unit, selection.width_mode, selection.align
     protect_first, protect_last = selection.protect_first, selection.protect_last
@@ -337,12 +364,21 @@ def plan_budget(config: dict, target: Target | str, selection: rules.Selection =
         raise PipCoreError(f"unknown unit kind {unit!r}; use one of {sorted(KINDS)}")
     if iterations < 1:
         raise PipCoreError(f"iterations must be >= 1, got {iterations}")
-    arch = Architecture.from_config(config, dtype)
+    full = Architecture.from_config(config, dtype)
+    vocab = None
+    arch = full
+    if vocab_after is not None:
+        tokens_before = int(config["vocab_size"])
+        if not 0 < vocab_after <= tokens_before:
+            raise PipCoreError(f"a trimmed vocabulary of {vocab_after} tokens does not fit the model's {tokens_before}")
+        arch = Architecture.from_config({**config, "vocab_size": vocab_after}, dtype)
+        vocab = VocabCut(tokens_before, vocab_after, full.num_params - arch.num_params)
+    trimmed = vocab.params_removed if vocab else 0
     aligned = unit != "block" and width_mode == "uniform" and "mlp" in KINDS[unit]
     effective = alignment.effective_align(align, arch.intermediate) if aligned else 1
     planner = _Planner(arch, unit, width_mode, iterations, effective, protect_first, protect_last, serving or Serving())
-    total, dense = arch.num_params, planner.dense()
-    limit = min(planner.max_removable(dense), math.floor(MAX_RATIO * total))
+    total, dense = full.num_params, planner.dense()
+    limit = min(planner.max_removable(dense), math.floor(MAX_RATIO * total) - trimmed)
     limit = _largest_feasible(planner, limit)
     notes = []
     if aligned:
@@ -356,47 +392,55 @@ def plan_budget(config: dict, target: Target | str, selection: rules.Selection =
                           f"{protect_first} and protect_last={protect_last} leave no unit to prune; lower "
                           "--protect-first/--protect-last or prune width units")
     body_total = dense.layers * planner.block_params(dense)
+    full_memory = planner.memory(Shape(total, dense.layers, dense.kv_heads, dense.intermediate))
     if target.kind in ("ratio", "layers"):
-        to_remove = round(target.value * (total if target.kind == "ratio" else body_total))
+        to_remove = round(target.value * (total if target.kind == "ratio" else body_total)) - (
+            trimmed if target.kind == "ratio" else 0)
         if to_remove > limit:
             of = total if target.kind == "ratio" else body_total
-            raise BudgetError(f"target {target} is infeasible for {what}: at most {limit:,} parameters can be removed "
-                              f"({limit / total:.4f}) while every layer keeps a unit of each kind and protected layers "
-                              f"stay whole", nearest=f"{target.kind}={math.floor(limit / of * 1e4) / 1e4:g}")
+            most = limit + (trimmed if target.kind == "ratio" else 0)
+            raise BudgetError(f"target {target} is infeasible for {what}: at most {most:,} parameters can be removed "
+                              f"({most / total:.4f}) while every layer keeps a unit of each kind and protected layers "
+                              f"stay whole", nearest=f"{target.kind}={math.floor(most / of * 1e4) / 1e4:g}")
     elif target.kind == "params":
         if target.value >= total:
             raise BudgetError(f"target {target} is not below the {total:,} parameters {arch.model_type} already has; "
                               "nothing to prune", nearest=f"params={floor.num_params}")
-        to_remove = total - int(target.value)
+        to_remove = total - int(target.value) - trimmed
         if to_remove > limit:
             raise BudgetError(f"target {target} is infeasible for {what}: the smallest model the run can reach has "
                               f"{floor.num_params:,} parameters", nearest=f"params={floor.num_params}")
-        to_remove = max(to_remove, 1)
-        if unit == "block":  # the nearest whole number of blocks (the selector rounds a block budget up)
+        if unit == "block" and to_remove > 0:  # the nearest whole number of blocks (the selector rounds a block budget up)
             block = planner.block_params(dense)
             to_remove = min(max(1, round(to_remove / block)) * block, limit)
     else:
-        if planner.memory(dense) <= target.value:
-            raise BudgetError(f"target {target}: the dense model already takes {format_bytes(planner.memory(dense))}; "
-                              "nothing to prune", nearest=f"memory={format_bytes(planner.memory(dense))}")
+        if full_memory <= target.value:
+            raise BudgetError(f"target {target}: the dense model already takes {format_bytes(full_memory)}; "
+                              "nothing to prune", nearest=f"memory={format_bytes(full_memory)}")
         if planner.memory(floor) > target.value:
             smallest = planner.memory(floor)
             raise BudgetError(f"target {target} is infeasible for {what}: the smallest model the run can reach takes "
                               f"{format_bytes(smallest)}", nearest=f"memory={format_bytes(smallest, up=True)}")
-        to_remove = _smallest_fitting(planner, limit, target.value)
+        to_remove = 0 if planner.memory(dense) <= target.value else _smallest_fitting(planner, limit, target.value)
+    if vocab and to_remove <= 0:
+        raise BudgetError(f"target {target}: the {vocab.describe(total)} already meets it, so no unit would be pruned; "
+                          "trim the vocabulary alone (pipprune trim-vocab) or ask for more",
+                          nearest=f"ratio={math.ceil((trimmed + planner.granularity(dense)) / total * 1e4) / 1e4:g}")
+    to_remove = max(to_remove, 1)
     steps = planner.simulate(to_remove)
     final = steps[-1][2]
     return BudgetPlan(
         target=str(target), model_type=arch.model_type, unit=unit, width_mode=width_mode, iterations=iterations,
         dtype=arch.dtype, align=align, effective_align=effective,
-        params_before=total, params_after=final.num_params, ratio=to_remove / total,
-        granularity=planner.granularity(dense), memory_before=planner.memory(dense), memory_after=planner.memory(final),
+        params_before=total, params_after=final.num_params, ratio=to_remove / arch.num_params,
+        granularity=planner.granularity(dense), memory_before=full_memory, memory_after=planner.memory(final),
         kv_cache_after=planner.kv_cache(final), exact=unit == "block" or planner.uniform,
-        body=BodyCut(dense.layers, final.layers, body_total, body_total - (total - final.num_params), dense.kv_heads,
-                     final.kv_heads, dense.intermediate, final.intermediate, averaged=not (unit == "block" or planner.uniform)),
+        body=BodyCut(dense.layers, final.layers, body_total, body_total - (arch.num_params - final.num_params),
+                     dense.kv_heads, final.kv_heads, dense.intermediate, final.intermediate,
+                     averaged=not (unit == "block" or planner.uniform)),
         steps=[StepPlan(i, cumulative, budget, s.num_params, s.layers, s.kv_heads, s.intermediate, planner.memory(s))
                for i, (cumulative, budget, s) in enumerate(steps, start=1)],
-        notes=notes)
+        notes=notes, vocab=vocab)
 
 
 def _largest_feasible(planner: _Planner, limit: int) -> int:

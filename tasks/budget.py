@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 def plan_budget(config: CompressConfig, source: SourceRef) -> BudgetRef:
     """The schedule the target needs on `source` (no weights read); ValueError naming the nearest feasible target."""
     try:
-        plan = plan_for(config, core_io.read_config(source.model.local_dir))
+        plan = plan_for(config, core_io.read_config(source.given.local_dir),
+                        vocab_after=source.vocab["vocab_after"] if source.vocab else None)
     except BudgetError as exc:
         raise ValueError(refusal(exc)) from None
     for note in plan.notes:

@@ -24,6 +24,9 @@ from infra.tags import (
     S3_URI,
     SOURCE_FINGERPRINT,
     SOURCE_MODEL,
+    VOCAB_CORPUS,
+    VOCAB_CORPUS_SHA256,
+    VOCAB_DENSE_FINGERPRINT,
 )
 from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
 from tasks.refs import ModelRef, SignatureRef
@@ -113,8 +116,26 @@ def resolve_parent(name: str, version: str) -> ParentRef:
     if source_fp != tags.get(SOURCE_FINGERPRINT):
         raise LineageError(f"dense source {source} has fingerprint {source_fp[:12]}, the version was pruned from "
                            f"{tags.get(SOURCE_FINGERPRINT, '')[:12]}: not the same model")
-    dense = ModelRef(local_dir=str(source), fingerprint=source_fp, num_params=core_io.param_count_from_dir(source))
+    if tags.get(VOCAB_DENSE_FINGERPRINT):  # the run pruned the source's vocabulary-trimmed copy: that is the dense
+        source = _trimmed_dense(tags, settings)
+    dense = ModelRef(local_dir=str(source), fingerprint=core_io.model_fingerprint(source),
+                     num_params=core_io.param_count_from_dir(source))
     return ParentRef(name=name, version=str(mv.version), run_id=mv.run_id or "", model=model, dense=dense, tags=tags)
+
+
+def _trimmed_dense(tags: dict[str, str], settings: Settings) -> Path:
+    """The vocabulary-trimmed dense model a version was pruned from, from the cache it was written to (its place is
+    named by the source's fingerprint and the corpus's sha256, both in the version's tags)."""
+    from infra.lineage import LineageError
+    from infra.vocab_source import cached_copy_dir
+    from pip_core import io as core_io
+
+    path = cached_copy_dir(tags[SOURCE_FINGERPRINT], tags.get(VOCAB_CORPUS_SHA256, ""), settings.home / "cache")
+    if not (path / "config.json").is_file() or core_io.model_fingerprint(path) != tags[VOCAB_DENSE_FINGERPRINT]:
+        raise LineageError(f"the version was pruned from the source's vocabulary trimmed to {tags.get(VOCAB_CORPUS)} "
+                           f"(dense fingerprint {tags[VOCAB_DENSE_FINGERPRINT][:12]}), which is not at {path}: run "
+                           "compress with the same --vocab-corpus on this machine first")
+    return path
 
 
 @task(name="parent-of-run")

@@ -24,10 +24,26 @@ class ModelRef(_Ref):
 
 
 class SourceRef(_Ref):
+    """The run's dense model (`model`: what every stage reads) and where it came from."""
+
     model_id: str
     model: ModelRef
     #: when the source is a GGUF file: its record (file, sha256, quant_types, ...; infra.gguf_source)
     gguf: dict | None = None
+    #: when the vocabulary was trimmed first: the model as the user gave it (`model` is then its trimmed copy), and
+    #: the trim's record (corpus, its sha256, tokens and parameters before and after, the kept ids' sha256)
+    original: ModelRef | None = None
+    vocab: dict | None = None
+
+    @property
+    def given(self) -> ModelRef:
+        """The model as the user gave it (what lineage names and the target's ratio is of)."""
+        return self.original or self.model
+
+    @property
+    def params_before(self) -> int:
+        """The parameters a ratio is of: the model as given, before its vocabulary was trimmed."""
+        return self.given.num_params
 
 
 class CalibrationRef(_Ref):

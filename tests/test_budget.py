@@ -268,3 +268,43 @@ def test_plan_says_what_the_target_takes_from_the_layers(tmp_path):
     out = " ".join(result.stdout.split())
     assert "decoder layers: the target takes" in out and "compress stops before any work here" in out
     assert "--allow-deep-cut" in out
+
+
+@pytest.mark.parametrize("unit", ["width", "mlp", "block"])
+def test_a_trimmed_vocabulary_pays_first_and_the_layers_pay_only_the_rest(unit):
+    """Vocabulary then units: the rows the trim drops count towards the target, so the layers lose less; the plan's
+    ratio and steps are of the trimmed model (what the flow's schedule prunes), its figures of the model as given."""
+    selection = Selection(unit=unit, width_mode="uniform", **WHOLE)
+    whole = plan_budget(VOCAB_HEAVY, "ratio=0.2", selection)
+    split = plan_budget(VOCAB_HEAVY, "ratio=0.2", selection, vocab_after=6000)
+    trimmed_rows = 2000 * 32  # tied: one tensor
+    assert split.vocab is not None and split.vocab.params_removed == trimmed_rows
+    assert split.params_before == whole.params_before  # the ratio is of the model as given
+    assert split.achieved_ratio == pytest.approx(0.2, abs=0.02)
+    layers_paid = (split.params_before - trimmed_rows) - split.params_after
+    assert layers_paid == split.body.params_before - split.body.params_after
+    assert split.body.removed < whole.body.removed
+    assert split.ratio == pytest.approx(layers_paid / (split.params_before - trimmed_rows), abs=0.02)
+    assert split.steps[0].num_params < split.params_before - trimmed_rows
+    assert "vocabulary 8,000 -> 6,000 tokens" in split.describe() and split.as_dict()["vocab"]["tokens_after"] == 6000
+
+
+def test_a_vocabulary_that_takes_more_than_the_layers_could_gut_lets_the_cut_stay_shallow():
+    """At 20% of a model whose embedding is most of it, the layers alone lose more than half; with the vocabulary
+    trimmed first they do not (issue 49: vocabulary first, width next)."""
+    selection = Selection(unit="mlp", width_mode="uniform", **WHOLE)
+    assert plan_budget(VOCAB_HEAVY, "ratio=0.2", selection).body.deep
+    plan = plan_budget(VOCAB_HEAVY, "ratio=0.2", selection, vocab_after=6500)
+    assert not plan.body.deep and plan.achieved_ratio == pytest.approx(0.2, abs=0.02)
+
+
+def test_a_vocabulary_trim_that_alone_meets_the_target_is_refused_with_the_ratio_that_is_not():
+    with pytest.raises(BudgetError, match="already meets it") as err:
+        plan_budget(VOCAB_HEAVY, "ratio=0.2", Selection(unit="mlp", **WHOLE), vocab_after=1000)
+    nearest = float(err.value.nearest.removeprefix("ratio="))
+    plan = plan_budget(VOCAB_HEAVY, f"ratio={nearest}", Selection(unit="mlp", **WHOLE), vocab_after=1000)
+    assert plan.params_after < plan.params_before - 7000 * 32
+    with pytest.raises(BudgetError, match="already meets it"):
+        plan_budget(VOCAB_HEAVY, "memory=1MiB", Selection(unit="mlp", **WHOLE), vocab_after=1000, dtype="float32")
+    with pytest.raises(PipCoreError, match="does not fit"):
+        plan_budget(VOCAB_HEAVY, "ratio=0.2", Selection(unit="mlp", **WHOLE), vocab_after=9000)

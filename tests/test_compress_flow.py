@@ -41,15 +41,15 @@ def _config(ref_dir: Path, **overrides):
     return CompressConfig(**fields)
 
 
-def _run_flow(env: dict[str, str], config):
-    """Run the flow in-process with Prefect and settings pointed at `env`."""
+def _run_flow(env: dict[str, str], config, **kwargs):
+    """Run the flow in-process with Prefect and settings pointed at `env` (`kwargs`: the flow's out_dir, ...)."""
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     from flows.compress import compress_flow
 
     with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"],
                                      PREFECT_HOME: str(Path(env["PIPPRUNE_HOME"]) / "prefect")}):
-        return compress_flow(config)
+        return compress_flow(config, **kwargs)
 
 
 def _task_run_names(flow_run_id: str) -> list[str]:
@@ -167,6 +167,64 @@ def test_repair_runs_after_each_step_and_is_recorded(first_run, stack_env, tiny_
     version = client.get_model_version("tiny-repair", summary.model_version)
     assert version.tags["pipprune.repair"] == "lstsq"
     assert client.get_model_version("tiny-pip", plain.model_version).tags["pipprune.repair"] == "none"
+
+
+def test_vocabulary_is_trimmed_first_counted_towards_the_target_and_recorded(first_run, stack_env, tiny_reference_dir,
+                                                                             monkeypatch, tmp_path):
+    """vocab: CORPUS trims the vocabulary before any unit is scored: the ratio is still of the model as given, the
+    trimmed rows count towards it so the layers lose less than in the run without it (attention keeps both KV
+    groups), the output keeps only the corpus's tokens and encodes it as before, KD's teacher is the trimmed dense
+    model, and the version's lineage names the corpus and the kept ids' hash (and checks out)."""
+    _apply(stack_env, monkeypatch)
+    from mlflow import MlflowClient
+    from transformers import AutoConfig, AutoTokenizer
+
+    from infra.config import RecoverySettings
+    from infra.lineage import trace
+    from infra.s3store import CheckpointStore
+    from infra.settings import Settings
+    from infra.vocab_source import read_trim_record
+    from pip_core.vocab_trim import VocabTrim
+
+    plain, _, _ = first_run
+    rows = (tiny_reference_dir / "calibration" / "calibration.jsonl").read_text().splitlines()[:30]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(rows) + "\n")
+    config = _config(tiny_reference_dir, vocab_corpus=str(corpus), registered_model_name="tiny-vocab",
+                     recovery=RecoverySettings(steps=4, batch_size=2, kind="kd"))
+    summary = _run_flow(stack_env, config, out_dir=str(tmp_path / "out"))
+    vocab = summary.vocab
+    assert vocab is not None and vocab["vocab_before"] == 2048 and 1000 < vocab["vocab_after"] < 1500
+    assert summary.params_before == plain.params_before  # the ratio is of the model as given
+    # the same ratio reached (64-channel alignment makes both runs overshoot 0.2 alike), by other means
+    assert abs(summary.achieved_ratio - plain.achieved_ratio) < 0.01
+    out = tmp_path / "out"
+    final, dense = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(tiny_reference_dir)
+    plain_final = AutoConfig.from_pretrained(CheckpointStore.from_settings(Settings(), plain.run_key).download_uri(
+        plain.s3_uri, tmp_path / "plain"))
+    assert final.vocab_size == vocab["vocab_after"]
+    assert final.num_key_value_heads == dense.num_key_value_heads > plain_final.num_key_value_heads  # layers lose less
+
+    trimmed_dir = next(Path(stack_env["PIPPRUNE_HOME"], "cache", "vocab").iterdir())
+    record = read_trim_record(trimmed_dir)
+    trim = VocabTrim(tuple(record["kept_ids"]), record["vocab_before"])
+    before, after = AutoTokenizer.from_pretrained(tiny_reference_dir), AutoTokenizer.from_pretrained(out)
+    for row in rows[:5]:
+        text = json.loads(row)["text"]
+        assert after.encode(text, add_special_tokens=False) == trim.remap(before.encode(text, add_special_tokens=False))
+
+    client = MlflowClient(stack_env["MLFLOW_TRACKING_URI"])
+    tags = client.get_model_version("tiny-vocab", summary.model_version).tags
+    plain_tags = client.get_model_version("tiny-pip", plain.model_version).tags
+    assert tags["pipprune.vocab.kept_sha256"] == record["kept_sha256"] == trim.digest == vocab["kept_sha256"]
+    assert tags["pipprune.vocab.tokens"] == f"2048->{vocab['vocab_after']}"
+    assert tags["pipprune.vocab.corpus_sha256"] == record["corpus_sha256"]
+    assert tags["pipprune.source_fingerprint"] == plain_tags["pipprune.source_fingerprint"]  # the model as given
+    assert tags["pipprune.vocab.dense_fingerprint"] != tags["pipprune.source_fingerprint"]
+    assert "pipprune.vocab.kept_sha256" not in plain_tags
+    lineage = trace(client, lambda key: CheckpointStore.from_settings(Settings(), key), "tiny-vocab")
+    assert lineage.ok, lineage.problems
+    assert lineage.iterations[-1].teacher_fingerprint == tags["pipprune.vocab.dense_fingerprint"]
 
 
 def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, tiny_reference_dir):

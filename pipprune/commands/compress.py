@@ -50,6 +50,7 @@ def compress(
     recovery_steps: Optional[int] = typer.Option(None, help=config_help("recovery.steps")),
     recovery: Optional[str] = typer.Option(None, help=config_help("recovery.kind", "(with --recovery-steps N)")),
     repair: Optional[str] = typer.Option(None, help=config_help("repair.form")),
+    vocab_corpus: Optional[str] = typer.Option(None, help=config_help("vocab.corpus")),
     device: Optional[str] = typer.Option(None, help=config_help("runtime.device")),
     dtype: Optional[str] = typer.Option(None, help=config_help("runtime.dtype")),
     config: Optional[Path] = typer.Option(None, help="YAML/JSON config file (CLI options override it)"),
@@ -90,10 +91,10 @@ def compress(
             wordlist=wordlist, n_samples=n_samples, seed=seed, eval_limit=eval_limit, registered_model_name=name,
             device=device, dtype=dtype, max_kl=max_kl, max_ppl_ratio=max_ppl_ratio,
             min_distinct_ratio=min_distinct_ratio, allow_deep_cut=allow_deep_cut,
-            recovery=_recovery_options(recovery_steps, recovery), repair=repair))
+            recovery=_recovery_options(recovery_steps, recovery), repair=repair, vocab_corpus=vocab_corpus))
         out_dir = check_out(out, overwrite)
         budget = check_inputs(cfg)
-        progress.stage(f"budget: {budget.target} takes {budget.body.describe()}")
+        progress.stage(f"budget: {budget.describe()}")
         settings = runtime(auto_stack)
         summary = _run_compress(cfg, out_dir, overwrite)
         if console.log_path is not None:  # the summary as JSON beside the log, for scripts that read a plain run

@@ -30,6 +30,9 @@ def plan_cmd(
     protect_last: Optional[int] = options.protect_last(),
     serve_context: Optional[int] = options.serve_context(),
     serve_batch: Optional[int] = options.serve_batch(),
+    vocab_corpus: Optional[str] = typer.Option(None, help="trim the vocabulary to this corpus first (as compress "
+                                               "--vocab-corpus): the plan counts the tokens it keeps (needs the "
+                                               "model's tokenizer: a model directory or GGUF file)"),
     json_out: bool = typer.Option(False, "--json", help="print the plan as one JSON document (logs: stderr)"),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own)"),
     seq_len: int = typer.Option(128, help="calibration sequence length"),
@@ -44,9 +47,10 @@ def plan_cmd(
     from pip_core.placement import plan_placement
 
     config = _read_config(model)
+    vocab_after = _kept_tokens(model, vocab_corpus) if vocab_corpus else None
     budget = _budget_plan(config, target, ratio, dtype, dict(
         unit=unit, width_mode=width_mode, iterations=iterations, align=align, protect_first=protect_first,
-        protect_last=protect_last), dict(context=serve_context, batch=serve_batch))
+        protect_last=protect_last), dict(context=serve_context, batch=serve_batch), vocab_after)
     unit = budget.unit if budget else (unit or options.scoring().unit)
     if json_out:
         with json_output(True) as doc:
@@ -81,8 +85,23 @@ def plan_cmd(
         raise typer.Exit(1)
 
 
+def _kept_tokens(model: str, corpus: str) -> int:
+    """The tokens `corpus` keeps of the model's vocabulary, or exit 2 naming why it cannot be counted."""
+    from infra.budgeting import kept_tokens
+    from infra.vocab_source import VocabSourceError
+    from pip_core.errors import PipCoreError
+
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        fail("--vocab-corpus needs the model's tokenizer: give the model directory or GGUF file, not its config.json")
+    try:
+        return kept_tokens(model, corpus)
+    except (VocabSourceError, PipCoreError, OSError, ValueError) as exc:
+        fail(f"vocab corpus {corpus!r}: {exc}")
+
+
 def _budget_plan(config: dict, target: str | None, ratio: float | None, dtype: str, scoring: dict,
-                 serving: dict) -> BudgetPlan | None:
+                 serving: dict, vocab_after: int | None = None) -> BudgetPlan | None:
     """The budget plan of the job these options describe (the config's defaults for the rest, planned as the
     flow plans it), or exit 2 naming the problem (an infeasible target: with the nearest feasible one)."""
     from infra.budgeting import plan_with, refusal
@@ -92,10 +111,12 @@ def _budget_plan(config: dict, target: str | None, ratio: float | None, dtype: s
     if target is not None and ratio is not None:
         fail("give --ratio or --target, not both")
     if target is None and ratio is None:
+        if vocab_after is not None:
+            fail("--vocab-corpus plans with a budget: give --ratio or --target")
         return None
     scoring_group, serving_group = options.scoring(**scoring), options.serving(**serving)
     try:
-        return plan_with(config, target or f"ratio={ratio}", scoring_group, serving_group, dtype)
+        return plan_with(config, target or f"ratio={ratio}", scoring_group, serving_group, dtype, vocab_after)
     except BudgetError as exc:
         fail(refusal(exc))
     except (PipCoreError, ValueError, TypeError, KeyError) as exc:
@@ -118,6 +139,8 @@ def _print_budget(plan) -> None:  # noqa: ANN001 - rich output only
                   f"{format_bytes(plan.memory_after)} ({plan.dtype}"
                   + (f", KV cache {format_bytes(plan.kv_cache_after)}" if plan.kv_cache_after else "") + ")"
                   + ("" if plan.exact else " [per-layer widths: the figure is the target rounded to one unit]"))
+    if plan.vocab:
+        console.print(f"vocabulary first: {plan.vocab.describe(plan.params_before)}")
     console.print(f"decoder layers: the target takes {plan.body.describe()}")
     if plan.body.deep:
         from infra.budgeting import deep_cut_refusal

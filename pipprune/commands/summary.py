@@ -21,6 +21,7 @@ def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> No
         b, a = summary.metrics_before.get(key), summary.metrics_after.get(key)
         table.add_row(key, "" if b is None else f"{b:.4g}", "" if a is None else f"{a:.4g}")
     console.print(table)
+    _print_vocab(console, summary.vocab)
     _print_general_set(console, summary.general_set)
     console.print(f"lm-eval tasks: {', '.join(summary.tasks) or 'none'} ({summary.tasks_origin or 'as given'})")
     if summary.samples:
@@ -50,6 +51,17 @@ def print_summary(summary: Any, settings: Any, stream: TextIO, home: Path) -> No
         console.print(f"Resumed after {summary.iterations_resumed} completed iteration(s) found in S3")
     if summary.out_dir:
         console.print(f"Model copied to: {summary.out_dir}")
+
+
+def _print_vocab(console: Any, vocab: dict | None) -> None:  # rich Console
+    """The vocabulary trimmed before pruning, and that the 'before' figures are the trimmed model's."""
+    if not vocab:
+        return
+    removed = vocab["params_before"] - vocab["params_after"]
+    console.print(f"vocabulary: {vocab['vocab_before']:,} -> {vocab['vocab_after']:,} tokens trimmed to "
+                  f"{vocab['corpus']} ({vocab['corpus_texts']:,} texts encode as before), {removed:,} parameters "
+                  f"({removed / vocab['params_before']:.1%} of the model) before any unit was pruned; kept ids sha256 "
+                  f"{vocab['kept_sha256'][:16]}. The 'before' figures are the trimmed model's.")
 
 
 def _print_repair(console: Any, repair: dict) -> None:  # rich Console
