@@ -308,3 +308,35 @@ def test_a_vocabulary_trim_that_alone_meets_the_target_is_refused_with_the_ratio
         plan_budget(VOCAB_HEAVY, "memory=1MiB", Selection(unit="mlp", **WHOLE), vocab_after=1000, dtype="float32")
     with pytest.raises(PipCoreError, match="does not fit"):
         plan_budget(VOCAB_HEAVY, "ratio=0.2", Selection(unit="mlp", **WHOLE), vocab_after=9000)
+
+
+def test_plan_and_the_preflight_count_the_tokens_a_vocabulary_corpus_keeps(tiny_reference_dir, tmp_path):
+    """`plan --vocab-corpus` shows the split (the vocabulary first, then the layers) from the tokenizer and the corpus,
+    no weights read; the compress preflight plans the same, and refuses a corpus file that is not there by name."""
+    import os
+
+    from infra.config import CompressConfig
+    from infra.preflight import PreflightError, check_inputs
+    from tests.helpers import cli
+
+    rows = (tiny_reference_dir / "calibration" / "calibration.jsonl").read_text().splitlines()[:30]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(rows) + "\n")
+    env = {**os.environ, "PIPPRUNE_HOME": str(tmp_path / "home")}
+    result = cli(env, "plan", "--model", str(tiny_reference_dir), "--ratio", "0.2", "--vocab-corpus", str(corpus),
+                 "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["budget"]
+    assert plan["vocab"]["tokens_before"] == 2048 and plan["vocab"]["tokens_after"] < 2048
+    assert plan["params_before"] == io.param_count_from_dir(tiny_reference_dir)
+    text = cli(env, "plan", "--model", str(tiny_reference_dir), "--ratio", "0.2", "--vocab-corpus", str(corpus),
+               timeout=300)
+    assert "vocabulary first: vocabulary 2,048 ->" in " ".join(text.stdout.split())
+    config = CompressConfig(model=str(tiny_reference_dir), calibration=str(tiny_reference_dir), ratio=0.2,
+                            vocab_corpus=str(corpus))
+    assert check_inputs(config).vocab.tokens_after == plan["vocab"]["tokens_after"]
+    with pytest.raises(PreflightError, match="vocab corpus .*missing.txt.*not found"):
+        check_inputs(config.model_copy(update={"vocab": config.vocab.model_copy(update={"corpus": str(tmp_path /
+                                                                                              "missing.txt")})}))
+    refused = cli(env, "plan", "--model", str(tiny_reference_dir), "--vocab-corpus", str(corpus), timeout=300)
+    assert refused.returncode == 2 and "give --ratio or --target" in refused.stderr

@@ -226,6 +226,17 @@ def test_vocabulary_is_trimmed_first_counted_towards_the_target_and_recorded(fir
     assert lineage.ok, lineage.problems
     assert lineage.iterations[-1].teacher_fingerprint == tags["pipprune.vocab.dense_fingerprint"]
 
+    import io as stdio
+
+    from rich.console import Console
+
+    from pipprune.commands.summary import _print_vocab
+
+    printed = stdio.StringIO()
+    _print_vocab(Console(file=printed, width=400), summary.vocab)
+    assert f"vocabulary: 2,048 -> {vocab['vocab_after']:,} tokens" in printed.getvalue()
+    assert record["kept_sha256"][:16] in printed.getvalue()
+
 
 def test_flow_and_prune_iteratively_remove_the_same_units(first_run, stack_env, tiny_reference_dir):
     """The benchmarks' loop (pip_core.schedule.prune_iteratively) is the product's loop: same units, step by step."""
