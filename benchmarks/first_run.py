@@ -33,11 +33,14 @@ def default_model() -> Path:
     return gguf_path(PRETRAINED["smollm2-135m"])
 
 
-def run_command(model: Path, ratio: float, home: Path) -> tuple[list[str], float, dict, str]:
-    """(argv, wall seconds, the run's summary, its log path): the command as a user types it, in a fresh home."""
+def run_command(model: Path, ratio: float, home: Path, extra: list[str] | tuple[str, ...] = ()
+                ) -> tuple[list[str], float, dict, str]:
+    """(argv, wall seconds, the run's summary, its log path): the command as a user types it (with `extra` options),
+    in a fresh home."""
     from infra.stack import free_stack_ports
 
-    argv = [str(Path(sys.executable).with_name("pipprune")), "compress", "--model", str(model), "--ratio", f"{ratio:g}"]
+    argv = [str(Path(sys.executable).with_name("pipprune")), "compress", "--model", str(model), "--ratio", f"{ratio:g}",
+            *extra]
     env = {**os.environ, "PIPPRUNE_HOME": str(home),
            **{f"PIPPRUNE_{k.upper()}": str(v) for k, v in free_stack_ports().items()}}
     started = time.monotonic()

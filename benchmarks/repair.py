@@ -342,7 +342,7 @@ def curve(cells: list[dict], dense_cloze: float | None) -> list[str]:
         steps = _steps(row["recovery"])
         if steps is not None:
             groups.setdefault((row["method"], row["repair"]), []).append((steps, row))
-    groups = {k: sorted(v, key=lambda p: p[0]) for k, v in groups.items() if len(v) > 2}
+    groups = {k: sorted(v, key=lambda p: p[0]) for k, v in groups.items() if len(v) >= 2}
     if not groups:
         return []
     out = ["", "## Quality against CPU-seconds (the default recovery, constant-rate KD, at each step count)", "",
