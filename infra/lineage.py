@@ -60,6 +60,9 @@ class Lineage(BaseModel):
     parent_signature: SignatureCheck | None = None
     #: a GGUF source: file, sha256, quant_types, and `checked` (re-hashed here) / `present` (found on this machine)
     source_gguf: dict[str, Any] | None = None
+    #: a vocabulary trimmed before pruning: corpus, its sha256, tokens, the kept ids' sha256, the trimmed dense
+    #: model's fingerprint, and `checked` (its copy in this machine's cache re-hashed) / `present`
+    vocab: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -146,6 +149,7 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
     datasets = run_datasets(run)
     problems.extend(_check_datasets(datasets, tags))
     source_gguf = _check_gguf_source(tags, problems)
+    vocab = _check_vocab(tags, problems)
     signature = verify_signature(tags, store) if verify_signature is not None else None
     if signature is not None:
         problems.extend(signature.problems)
@@ -157,7 +161,37 @@ def trace(client, store_for_run_key, name: str, version: str | None = None,  # n
         prefect_flow_run_id=tags.get(tag_names.PREFECT_FLOW_RUN_ID, ""), mlflow_run_id=run_id,
         final_s3_uri=tags.get(tag_names.S3_URI, ""), config=config, iterations=iterations, problems=problems,
         datasets=datasets, logged_model_id=tags.get(tag_names.LOGGED_MODEL_ID) or getattr(mv, "model_id", None),
-        source_gguf=source_gguf)
+        source_gguf=source_gguf, vocab=vocab)
+
+
+def _check_vocab(tags: dict[str, str], problems: list[str]) -> dict[str, Any] | None:
+    """A trimmed vocabulary re-checked where its trimmed copy lies (this machine's cache, named by the source's
+    fingerprint and the corpus's sha256): the copy's fingerprint and its kept ids' sha256 must be the recorded ones.
+    Elsewhere it is reported as not checked, not as a mismatch."""
+    from infra.settings import Settings
+    from infra.vocab_source import cached_copy_dir, read_trim_record
+    from pip_core.io import model_fingerprint
+
+    if not tags.get(tag_names.VOCAB_KEPT_SHA256):
+        return None
+    info: dict[str, Any] = {"corpus": tags.get(tag_names.VOCAB_CORPUS), "tokens": tags.get(tag_names.VOCAB_TOKENS),
+                            "corpus_sha256": tags.get(tag_names.VOCAB_CORPUS_SHA256),
+                            "kept_sha256": tags[tag_names.VOCAB_KEPT_SHA256],
+                            "dense_fingerprint": tags.get(tag_names.VOCAB_DENSE_FINGERPRINT), "checked": False}
+    path = cached_copy_dir(tags.get(tag_names.SOURCE_FINGERPRINT, ""), info["corpus_sha256"] or "",
+                           Settings().home / "cache")
+    record = read_trim_record(path)
+    info["present"] = record is not None
+    if record is not None:
+        if record.get("kept_sha256") != info["kept_sha256"]:
+            problems.append(f"trimmed vocabulary at {path}: kept ids sha256 {str(record.get('kept_sha256'))[:16]} != "
+                            f"recorded {info['kept_sha256'][:16]}")
+        elif model_fingerprint(path) != info["dense_fingerprint"]:
+            problems.append(f"trimmed dense model at {path}: fingerprint differs from the recorded "
+                            f"{str(info['dense_fingerprint'])[:12]}")
+        else:
+            info["checked"] = True
+    return info
 
 
 def _check_gguf_source(tags: dict[str, str], problems: list[str]) -> dict[str, Any] | None:

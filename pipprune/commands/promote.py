@@ -82,6 +82,13 @@ def _gguf_line(info: dict) -> str:
     return f"{info['file']} sha256 {info['sha256']} ({info['quant_types']}; {state})"
 
 
+def _vocab_line(info: dict) -> str:
+    state = ("trimmed copy re-checked: matches" if info["checked"] else "trimmed copy differs") if info["present"] \
+        else "trimmed copy not on this machine: not re-checked"
+    return (f"{info['tokens']} tokens, trimmed to {info['corpus']} (sha256 {str(info['corpus_sha256'])[:16]}); kept ids "
+            f"sha256 {info['kept_sha256']} ({state})")
+
+
 def _print_lineage(result) -> None:  # noqa: ANN001 - rich output only
     from rich.console import Console
     from rich.table import Table
@@ -95,6 +102,7 @@ def _print_lineage(result) -> None:  # noqa: ANN001 - rich output only
                          ("final checkpoint", result.final_s3_uri), ("signature", _signature_line(result.signature)),
                          ("MLflow logged model", result.logged_model_id or "-"),
                          *((("source GGUF", _gguf_line(result.source_gguf)),) if result.source_gguf else ()),
+                         *((("vocabulary", _vocab_line(result.vocab)),) if result.vocab else ()),
                          *((f"dataset {ctx} digest", f"{d['digest']} ({d['name']})")
                            for ctx, d in sorted(result.datasets.items()))]:
         head.add_row(label, value)
