@@ -348,14 +348,14 @@ def curve(cells: list[dict], dense_cloze: float | None) -> list[str]:
     out = ["", "## Quality against CPU-seconds (the default recovery, constant-rate KD, at each step count)", "",
            "Seconds: scoring + repair + recovery on 2 cores (the issue's budget: "
            f"{TARGETS['seconds'] // 60} CPU-minutes).", "",
-           "| criterion | repair | KD steps | seconds | Persuasion ppl ratio | WordNet ppl ratio | cloze retained |",
-           "|---|---|---|---|---|---|---|"]
+           "| criterion | repair | KD steps | seeds | seconds | Persuasion ppl ratio | WordNet ppl ratio | cloze retained |",
+           "|---|---|---|---|---|---|---|---|"]
     notes = []
     for (method, form), points in groups.items():
         for steps, row in points:
             seconds = row["prune_seconds"] + row["repair_seconds"] + row["recovery_seconds"]
             cloze = f"{row['cloze_acc'] / dense_cloze:.3f}" if row["cloze_acc"] is not None and dense_cloze else ""
-            out.append(f"| {method} | {form} | {steps} | {seconds:.0f} | "
+            out.append(f"| {method} | {form} | {steps} | {len(row['seeds'])} | {seconds:.0f} | "
                        f"{row['persuasion']['ppl_ratio']['point']:.3f} | {row['wordnet']['ppl_ratio']['point']:.3f} | "
                        f"{cloze} |")
         trained = [(s, r) for s, r in points if s > 0]
@@ -374,10 +374,18 @@ def curve(cells: list[dict], dense_cloze: float | None) -> list[str]:
                 import math
 
                 slope = (y2 - y1) / (math.log(s2) - math.log(s1))
-                need = s2 * math.exp((bound - y2) / slope)
-                notes.append(f"- {method}, repair {form}: {name} ratio {y2:.3f} at {s2} steps; extrapolated along "
-                             f"log steps, <= {bound} needs ~{need:,.0f} steps (~{need * per_step / 60:,.0f} "
-                             f"CPU-minutes of recovery at {per_step:.1f} s a step).")
+                doublings = (y2 - bound) / (-slope * math.log(2))
+                if doublings > 10:
+                    notes.append(f"- {method}, repair {form}: {name} ratio {y2:.3f} at {s2} steps, falling "
+                                 f"{-slope * math.log(2):.3f} per doubling of the steps: <= {bound} would take "
+                                 f"{doublings:.0f} more doublings (over {s2 * 2**10:,} steps, "
+                                 f"{s2 * 2**10 * per_step / 3600:,.0f} CPU-hours of recovery at {per_step:.1f} s a "
+                                 "step): out of reach for this recovery.")
+                else:
+                    need = s2 * 2**doublings
+                    notes.append(f"- {method}, repair {form}: {name} ratio {y2:.3f} at {s2} steps; extrapolated "
+                                 f"along log steps, <= {bound} needs ~{need:,.0f} steps (~{need * per_step / 60:,.0f} "
+                                 f"CPU-minutes of recovery at {per_step:.1f} s a step).")
     return out + ["", *notes] if notes else out
 
 
