@@ -15,6 +15,7 @@ Usage: python -m benchmarks.vocab_budget [--ratio 0.2] [--windows 256] [--wordne
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import subprocess
 import tempfile
@@ -23,6 +24,7 @@ from pathlib import Path
 from benchmarks.common import write
 
 ARMS = {"width": [], "vocab+width": ["--vocab-corpus", "public"]}
+RUNS_FILE = "runs.json"
 N_BOOT = 2000
 
 
@@ -64,6 +66,8 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.2)
     parser.add_argument("--windows", type=int, default=256, help="general-set (Persuasion) windows measured")
     parser.add_argument("--wordnet-docs", type=int, default=100)
+    parser.add_argument("--reuse", type=Path, default=None, help="the temporary directory of an earlier invocation: "
+                        "measure its two outputs again without rerunning them")
     args = parser.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -72,27 +76,38 @@ def main() -> None:
     from benchmarks.first_run import default_model, run_command, stop_stack
     from infra.eval_kit import eval_kit
     from infra.model_source import local_model_dir
+    from infra.vocab_source import cached_copy_dir
 
     gguf = default_model()
-    root = Path(tempfile.mkdtemp(prefix="pipprune-vocab-budget-"))
-    runs = {}
-    for arm, extra in ARMS.items():
-        home = root / arm.replace("+", "_")
-        home.mkdir()
-        out = home / "out"
-        try:
-            argv, wall, summary, log = run_command(gguf, args.ratio, home, [*extra, "--out", str(out)])
-        finally:
-            stop_stack(home)
-        runs[arm] = {"argv": argv, "wall_s": wall, "out": str(out), "summary": summary, "log": log}
-        print(f"{arm}: {wall:.0f} s, {summary['params_before']:,} -> {summary['params_after']:,} parameters", flush=True)
+    if args.reuse:  # an earlier invocation's runs: measured again, not rerun
+        runs = json.loads((args.reuse / RUNS_FILE).read_text())
+    else:
+        root = Path(tempfile.mkdtemp(prefix="pipprune-vocab-budget-"))
+        runs = {}
+        for arm, extra in ARMS.items():
+            home = root / arm.replace("+", "_")
+            home.mkdir()
+            out = home / "out"
+            try:
+                argv, wall, summary, log = run_command(gguf, args.ratio, home, [*extra, "--out", str(out)])
+            finally:
+                stop_stack(home)
+            runs[arm] = {"argv": argv, "wall_s": wall, "out": str(out), "summary": summary, "log": log,
+                         "home": str(home)}
+            print(f"{arm}: {wall:.0f} s, {summary['params_before']:,} -> {summary['params_after']:,} parameters",
+                  flush=True)
+        (root / RUNS_FILE).write_text(json.dumps(runs))
     dense_dir = Path(local_model_dir(str(gguf)))
     dense_tok = AutoTokenizer.from_pretrained(dense_dir)
     sets = {"persuasion": eval_kit().general_set(dense_tok).texts()[: args.windows],
             "wordnet": wordnet_documents(args.wordnet_docs)}
     start_text = "<|endoftext|>" if "<|endoftext|>" in dense_tok.get_vocab() else dense_tok.bos_token
     docs: dict[str, dict[str, list]] = {}
-    for name, folder in (("dense", dense_dir), *((arm, Path(run["out"])) for arm, run in runs.items())):
+    vocab = runs["vocab+width"]["summary"]["vocab"]
+    trimmed = cached_copy_dir(_source_fingerprint(dense_dir), vocab["corpus_sha256"],
+                              Path(runs["vocab+width"]["home"]) / "cache")
+    models = (("dense", dense_dir), ("vocabulary alone", trimmed), *((arm, Path(run["out"])) for arm, run in runs.items()))
+    for name, folder in models:
         tok = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         start = tok.convert_tokens_to_ids(start_text)
@@ -104,7 +119,7 @@ def main() -> None:
         bytes_per_token = sum(d[1] for d in dense) / sum(d[2] for d in dense)
         figures[s] = {"documents": len(dense), "bytes": sum(d[1] for d in dense),
                       "dense_tokens": sum(d[2] for d in dense), "dense_nats_per_byte": per_byte(dense)}
-        for arm in runs:
+        for arm in ("vocabulary alone", *runs):
             npb = per_byte(docs[arm][s])
             figures[s][arm] = {"nats_per_byte": npb, "tokens": sum(d[2] for d in docs[arm][s]),
                                "ppl_ratio": math.exp((npb - per_byte(dense)) * bytes_per_token)}
@@ -115,6 +130,12 @@ def main() -> None:
               "figures": figures,
               "nproc": subprocess.getoutput("nproc")}
     print(write("vocab_budget", result, table(result)))
+
+
+def _source_fingerprint(model_dir: Path) -> str:
+    from pip_core.io import model_fingerprint
+
+    return model_fingerprint(model_dir)
 
 
 def _summary_figures(summary: dict) -> dict:
@@ -131,20 +152,29 @@ def table(result: dict) -> list[str]:
            f"{result['ratio']:g}` with and without `--vocab-corpus public`, defaults otherwise; each output measured on "
            "held-out text in nats per byte (the tokenizers differ), shown as the perplexity ratio to the dense model "
            "per dense token; the verdict pairs documents (95% bootstrap interval of the difference in nats per byte).",
-           "", "| | width alone | vocabulary + width |", "|---|---|---|"]
+           "", "| | vocabulary alone (no pruning) | width alone | vocabulary + width |", "|---|---|---|---|"]
     w, v = runs["width"]["summary"], runs["vocab+width"]["summary"]
-    out.append(f"| parameters | {w['params_before']:,} -> {w['params_after']:,} ({w['achieved_ratio']:.1%}) | "
+    alone = (f"{vocab['params_before']:,} -> {vocab['params_after']:,} "
+             f"({1 - vocab['params_after'] / vocab['params_before']:.1%})") if vocab else ""
+    out.append(f"| parameters | {alone} | {w['params_before']:,} -> {w['params_after']:,} ({w['achieved_ratio']:.1%}) | "
                f"{v['params_before']:,} -> {v['params_after']:,} ({v['achieved_ratio']:.1%}) |")
     if vocab:
-        out.append(f"| vocabulary | {vocab['vocab_before']:,} | {vocab['vocab_after']:,} "
+        out.append(f"| vocabulary | {vocab['vocab_after']:,} | {vocab['vocab_before']:,} | {vocab['vocab_after']:,} "
                    f"({vocab['params_before'] - vocab['params_after']:,} parameters) |")
     for s, f in figures.items():
         label = {"persuasion": f"Persuasion ({f['documents']} windows)",
                  "wordnet": f"WordNet ({f['documents']} documents)"}[s]
-        out.append(f"| {label}: perplexity ratio to dense | {f['width']['ppl_ratio']:.3f} | "
+        alone = f"{f['vocabulary alone']['ppl_ratio']:.3f}" if "vocabulary alone" in f else ""
+        out.append(f"| {label}: perplexity ratio to dense | {alone} | {f['width']['ppl_ratio']:.3f} | "
                    f"{f['vocab+width']['ppl_ratio']:.3f} |")
-    out.append(f"| the run's verdict | {w['quality'].get('verdict')} | {v['quality'].get('verdict')} |")
-    out.append(f"| wall time | {runs['width']['wall_s'] / 60:.1f} min | {runs['vocab+width']['wall_s'] / 60:.1f} min |")
+    out.append(f"| the run's verdict | | {w['quality'].get('verdict')} | {v['quality'].get('verdict')} |")
+    out.append(f"| wall time | | {runs['width']['wall_s'] / 60:.1f} min | {runs['vocab+width']['wall_s'] / 60:.1f} min |")
+    for s, f in figures.items():
+        if "vocabulary alone" in f:
+            more = f["vocabulary alone"]["tokens"] / f["dense_tokens"] - 1
+            out += ["", f"{s}: the trimmed tokenizer needs {more:+.1%} tokens (words the kept corpus never used, now "
+                        f"split into pieces the model rarely saw), and the trim alone changes perplexity by "
+                        f"{f['vocabulary alone']['ppl_ratio'] - 1:+.1%}."]
     out += ["", "| held-out | vocabulary + width - width alone, nats per byte | verdict |", "|---|---|---|"]
     for s, f in figures.items():
         d = f["vocab+width - width"]
