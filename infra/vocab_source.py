@@ -97,6 +97,11 @@ def _public_corpus(cache: Path) -> tuple[str, list[str]]:
     return f"{names} (the install's text; Persuasion and WordNet held out)", texts
 
 
+def corpus_digest(texts: list[str]) -> str:
+    """sha256 of a corpus as read (what the trim record, the cache name and lineage carry)."""
+    return hashlib.sha256("\n\n".join(texts).encode()).hexdigest()
+
+
 def read_trim_record(model_dir: str | Path) -> dict | None:
     path = Path(model_dir) / TRIM_RECORD
     return json.loads(path.read_text()) if path.is_file() else None
@@ -124,7 +129,7 @@ def kept_vocabulary(tokenizer, corpus: str, cache: Path) -> KeptVocabulary:  # n
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     data = json.loads(tokenizer.backend_tokenizer.to_str())
     trim = tokens_to_keep(data, encoded, also=tokenizer.all_special_ids)
-    return KeptVocabulary(name, hashlib.sha256("\n\n".join(texts).encode()).hexdigest(), texts, encoded, trim)
+    return KeptVocabulary(name, corpus_digest(texts), texts, encoded, trim)
 
 
 def trim_to_dir(model_dir: Path, corpus: str, out: Path, cache: Path) -> TrimRecord:
@@ -186,7 +191,7 @@ def trimmed_copy(model_dir: Path, fingerprint: str, corpus: str, cache: Path) ->
     """`model_dir` trimmed to `corpus`, written once into the cache under a name made of the source's content and
     the corpus's (a rerun, or a resumed run, reads the same directory), and its record (without the kept ids)."""
     _, texts = corpus_texts(corpus, cache)
-    out = cached_copy_dir(fingerprint, hashlib.sha256("\n\n".join(texts).encode()).hexdigest(), cache)
+    out = cached_copy_dir(fingerprint, corpus_digest(texts), cache)
     if read_trim_record(out) is None:
         try:
             trim_to_dir(model_dir, corpus, out, cache)
