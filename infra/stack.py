@@ -48,6 +48,11 @@ ADMIN_GRPC_OFFSET = 10000
 #: written once by `up`; reading it back proves the volume layer serves, not only the S3 front end
 #: (after a restart ListBuckets answers ~5 s before reads stop failing with "volume 1 not found")
 HEALTH_KEY = ".pipprune/health"
+#: `weed mini` otherwise caps its volumes at free disk / volume size (1 GiB volumes: 8 on a disk with 8 GiB
+#: free), and every bucket claims a volume of its own, so a ninth bucket's first write failed with a bare
+#: InternalError ("no free volumes left") on a disk with room to spare. Volumes are not preallocated: the
+#: cap costs nothing, and a disk that really fills still stops writes (SeaweedFS' minimum free space).
+WEED_MAX_VOLUMES = 1024
 
 
 class StackError(RuntimeError):
@@ -347,6 +352,7 @@ class LocalStack:
         weed = [weed_binary(), "mini", f"-dir={s3_dir}", f"-ip={HOST}", f"-ip.bind={HOST}", f"-s3.port={s.s3_port}",
                 *(f"-{flag}={port}" for flag, port in self.aux_ports().items()),
                 "-webdav=false", "-admin.ui=false", "-master.telemetry=false", f"-bucket={s.s3_bucket}",
+                f"-volume.max={WEED_MAX_VOLUMES}",
                 f"-filer.localSocket={self.dir / 'filer.sock'}", f"-s3.localSocket={self.dir / 's3.sock'}"]
         return {
             "s3": ServiceSpec("s3", weed, {**quiet, **keys.as_env()}, s.s3_port, self.urls["s3"], s3_dir,

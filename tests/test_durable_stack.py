@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import boto3
@@ -87,6 +88,23 @@ def test_seaweedfs_runs_clean_and_its_health_reads_through_the_volume_layer(loca
     client = boto3.client("s3", endpoint_url=stack.urls["s3"], region_name="us-east-1",
                           aws_access_key_id=keys.access_key_id, aws_secret_access_key=keys.secret_access_key)
     assert client.get_object(Bucket=settings.s3_bucket, Key=HEALTH_KEY)["Body"].read() == b"ok\n"
+
+
+def test_the_store_takes_a_bucket_per_run_whatever_the_disks_free_space(local_stack):
+    """CI's disk had room for a handful of 1 GiB volumes, and every bucket claims one: the resume tests' own
+    buckets then failed their first write. The cap is pinned, not derived from free space."""
+    stack, _ = local_stack
+    from infra.stack import WEED_MAX_VOLUMES
+
+    master = stack.aux_ports()["master.port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{master}/dir/status", timeout=10) as response:
+        topology = json.load(response)["Topology"]
+    assert topology["Max"] == WEED_MAX_VOLUMES, topology
+    s3 = s3_of({**os.environ, **stack.client_env()})
+    for i in range(12):
+        s3.create_bucket(Bucket=f"many-{i}")
+        s3.put_object(Bucket=f"many-{i}", Key="x", Body=b"x")
+        assert s3.get_object(Bucket=f"many-{i}", Key="x")["Body"].read() == b"x"
 
 
 def test_a_stale_pid_reused_by_another_program_is_never_signalled(tmp_path):
