@@ -10,6 +10,7 @@ verdict pairs the documents: B - A in nats per byte with a 95% bootstrap interva
 Writes benchmarks/results/vocab_budget.{json,md}.
 
 Usage: python -m benchmarks.vocab_budget [--ratio 0.2] [--windows 256] [--wordnet-docs 100]
+       [--reuse DIR [--rerun vocab+width]]  (measure an earlier invocation's outputs, rerunning the arms named)
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main() -> None:
     parser.add_argument("--wordnet-docs", type=int, default=100)
     parser.add_argument("--reuse", type=Path, default=None, help="the temporary directory of an earlier invocation: "
                         "measure its two outputs again without rerunning them")
+    parser.add_argument("--rerun", action="append", choices=list(ARMS), default=[],
+                        help="with --reuse: run this arm afresh (after a change that only it sees) and reuse the other")
     args = parser.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,17 +82,16 @@ def main() -> None:
     from infra.vocab_source import cached_copy_dir
 
     gguf = default_model()
-    if args.reuse:  # an earlier invocation's runs: measured again, not rerun
-        runs = json.loads((args.reuse / RUNS_FILE).read_text())
-    else:
+    runs = json.loads((args.reuse / RUNS_FILE).read_text()) if args.reuse else {}
+    fresh = [arm for arm in ARMS if not args.reuse or arm in args.rerun]
+    if fresh:
         root = Path(tempfile.mkdtemp(prefix="pipprune-vocab-budget-"))
-        runs = {}
-        for arm, extra in ARMS.items():
+        for arm in fresh:
             home = root / arm.replace("+", "_")
             home.mkdir()
             out = home / "out"
             try:
-                argv, wall, summary, log = run_command(gguf, args.ratio, home, [*extra, "--out", str(out)])
+                argv, wall, summary, log = run_command(gguf, args.ratio, home, [*ARMS[arm], "--out", str(out)])
             finally:
                 stop_stack(home)
             runs[arm] = {"argv": argv, "wall_s": wall, "out": str(out), "summary": summary, "log": log,
@@ -169,6 +171,9 @@ def table(result: dict) -> list[str]:
                    f"{f['vocab+width']['ppl_ratio']:.3f} |")
     out.append(f"| the run's verdict | | {w['quality'].get('verdict')} | {v['quality'].get('verdict')} |")
     out.append(f"| wall time | | {runs['width']['wall_s'] / 60:.1f} min | {runs['vocab+width']['wall_s'] / 60:.1f} min |")
+    if len({Path(run["home"]).parent for run in runs.values()}) > 1:
+        out += ["", "The two arms ran in separate invocations (`--reuse` with `--rerun`): their wall times are of "
+                    "different moments of the machine."]
     for s, f in figures.items():
         if "vocabulary alone" in f:
             more = f["vocabulary alone"]["tokens"] / f["dense_tokens"] - 1

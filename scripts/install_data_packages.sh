@@ -7,6 +7,7 @@ command -v bible >/dev/null || need+=(bible-kjv)
 [ -d /usr/share/doc/python3.11/html/_sources ] || need+=(python3.11-doc)
 [ -d /usr/share/games/fortunes ] || need+=(fortunes)
 [ -f /usr/share/wordnet/data.noun ] || need+=(wordnet-base)
+[ -f /usr/share/dict/american-english-huge ] || need+=(wamerican-huge)
 if [ ${#need[@]} -eq 0 ]; then
   echo "data packages present"
   exit 0

@@ -19,13 +19,14 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-APT_PACKAGES = ("bible-kjv", "python3.11-doc", "fortunes", "wordnet-base")
+APT_PACKAGES = ("bible-kjv", "python3.11-doc", "fortunes", "wordnet-base", "wamerican-huge")
 AUSTEN_DEB = "r-cran-janeaustenr"
 AUSTEN_TRAIN = ("emma", "mansfieldpark", "northangerabbey", "prideprejudice", "sensesensibility")
 AUSTEN_HELDOUT = "persuasion"
 PY_DOCS = Path("/usr/share/doc/python3.11/html/_sources")
 FORTUNES = Path("/usr/share/games/fortunes")
 WORDNET = Path("/usr/share/wordnet")
+ENGLISH_WORDS = Path("/usr/share/dict/american-english-huge")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ SOURCES = {
     "kjv": SourceInfo("King James Bible", "bible-kjv", "public domain"),
     "pydocs": SourceInfo("Python 3.11 documentation prose", "python3.11-doc", "PSF-2.0"),
     "fortunes": SourceInfo("fortune cookie database", "fortunes", "BSD"),
+    "words": SourceInfo("SCOWL American English word list, size 80", "wamerican-huge",
+                        "SCOWL (copyright Kevin Atkinson; use, copy, modify, distribute and sell permitted)"),
     "wordnet": SourceInfo("WordNet 3.0 example sentences (evaluation only)", "wordnet-base", "WordNet 3.0 license"),
 }
 
@@ -57,7 +60,8 @@ def _run(cmd: list[str], cwd: Path | None = None) -> None:
 
 def _present() -> dict[str, bool]:
     return {"bible-kjv": shutil.which("bible") is not None, "python3.11-doc": PY_DOCS.is_dir(),
-            "fortunes": FORTUNES.is_dir(), "wordnet-base": (WORDNET / "data.noun").is_file()}
+            "fortunes": FORTUNES.is_dir(), "wordnet-base": (WORDNET / "data.noun").is_file(),
+            "wamerican-huge": ENGLISH_WORDS.is_file()}
 
 
 def ensure_apt_packages() -> None:
@@ -190,6 +194,12 @@ def fortunes() -> str:
             if len(words.split()) >= 4:
                 items.append(words)
     return "\n\n".join(items)
+
+
+def english_words() -> list[str]:
+    """SCOWL's American English words to size 80, one a line: the modern and technical words ("organisms",
+    "tissue", "apoptosis") that the old books never use. No definitions or examples: nothing of WordNet."""
+    return ENGLISH_WORDS.read_text(encoding="utf-8").split()
 
 
 def wordnet_entries() -> list[tuple[str, list[str], list[str]]]:
