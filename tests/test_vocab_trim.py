@@ -67,6 +67,22 @@ def test_the_trim_keeps_what_the_corpus_needs_and_drops_the_rest(tokenizer, trim
     assert trim.digest == VocabTrim(trim.keep, trim.vocab_before).digest and len(trim.digest) == 64
 
 
+def test_a_word_list_keeps_its_words_wherever_running_text_puts_them(tokenizer):
+    """The `public` corpus's word list: each word after a space and at a line's start, as written and
+    capitalised, so a sentence of those words in any of those places needs no dropped token."""
+    from infra.vocab_source import word_texts
+
+    words = ["later", "the", "host", "garden"]
+    data = json.loads(tokenizer.backend_tokenizer.to_str())
+    sentences = ("Later the host\nThe garden Later", "the Later Garden\nlater Host")
+    spaced_only = tokens_to_keep(data, [tokenizer.encode(" " + word) for word in words])
+    assert not all(set(tokenizer.encode(s)) <= set(spaced_only.keep) for s in sentences)  # "Later", "The": own tokens
+    trim = tokens_to_keep(data, [tokenizer.encode(t) for t in word_texts(words, per_text=2)])
+    for sentence in sentences:
+        assert set(tokenizer.encode(sentence)) <= set(trim.keep), sentence
+    assert len(trim.keep) < len(tokenizer) - 100  # the rest of the vocabulary went
+
+
 def test_every_kept_text_encodes_to_the_same_tokens_renumbered(tokenizer, trimmed):
     trim, _, _, small_tok, _ = trimmed
     for text in KEPT:
