@@ -169,29 +169,17 @@ def _check_vocab(tags: dict[str, str], problems: list[str]) -> dict[str, Any] | 
     fingerprint and the corpus's sha256): the copy's fingerprint and its kept ids' sha256 must be the recorded ones.
     Elsewhere it is reported as not checked, not as a mismatch."""
     from infra.settings import Settings
-    from infra.vocab_source import cached_copy_dir, read_trim_record
-    from pip_core.io import model_fingerprint
+    from infra.vocab_source import recorded_copy
 
     if not tags.get(tag_names.VOCAB_KEPT_SHA256):
         return None
-    info: dict[str, Any] = {"corpus": tags.get(tag_names.VOCAB_CORPUS), "tokens": tags.get(tag_names.VOCAB_TOKENS),
-                            "corpus_sha256": tags.get(tag_names.VOCAB_CORPUS_SHA256),
-                            "kept_sha256": tags[tag_names.VOCAB_KEPT_SHA256],
-                            "dense_fingerprint": tags.get(tag_names.VOCAB_DENSE_FINGERPRINT), "checked": False}
-    path = cached_copy_dir(tags.get(tag_names.SOURCE_FINGERPRINT, ""), info["corpus_sha256"] or "",
-                           Settings().home / "cache")
-    record = read_trim_record(path)
-    info["present"] = record is not None
-    if record is not None:
-        if record.get("kept_sha256") != info["kept_sha256"]:
-            problems.append(f"trimmed vocabulary at {path}: kept ids sha256 {str(record.get('kept_sha256'))[:16]} != "
-                            f"recorded {info['kept_sha256'][:16]}")
-        elif model_fingerprint(path) != info["dense_fingerprint"]:
-            problems.append(f"trimmed dense model at {path}: fingerprint differs from the recorded "
-                            f"{str(info['dense_fingerprint'])[:12]}")
-        else:
-            info["checked"] = True
-    return info
+    copy = recorded_copy(tags, Settings().home / "cache")
+    if copy.mismatch:
+        problems.append(f"trimmed vocabulary at {copy.path}: {copy.mismatch}")
+    return {"corpus": tags.get(tag_names.VOCAB_CORPUS), "tokens": tags.get(tag_names.VOCAB_TOKENS),
+            "corpus_sha256": tags.get(tag_names.VOCAB_CORPUS_SHA256), "kept_sha256": tags[tag_names.VOCAB_KEPT_SHA256],
+            "dense_fingerprint": tags.get(tag_names.VOCAB_DENSE_FINGERPRINT), "present": copy.present,
+            "checked": copy.usable}
 
 
 def _check_gguf_source(tags: dict[str, str], problems: list[str]) -> dict[str, Any] | None:

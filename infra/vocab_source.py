@@ -198,6 +198,41 @@ def cached_copy_dir(fingerprint: str, corpus_sha256: str, cache: Path) -> Path:
     return cache / "vocab" / hashlib.sha256(f"{fingerprint}|{corpus_sha256}".encode()).hexdigest()[:20]
 
 
+@dataclass(frozen=True)
+class RecordedCopy:
+    """A registered version's trimmed dense model as found in this machine's cache: where it should lie, whether
+    it is there, and why the copy there is not the one the version records (None: it is)."""
+
+    path: Path
+    present: bool
+    mismatch: str | None
+
+    @property
+    def usable(self) -> bool:
+        return self.present and self.mismatch is None
+
+
+def recorded_copy(tags: dict[str, str], cache: Path) -> RecordedCopy:
+    """The trimmed copy a version's lineage tags name (the source's fingerprint and the corpus's sha256 give its
+    place), checked against the kept ids' sha256 and the dense fingerprint they record."""
+    from infra import tags as tag_names
+    from pip_core.io import model_fingerprint
+
+    path = cached_copy_dir(tags.get(tag_names.SOURCE_FINGERPRINT, ""), tags.get(tag_names.VOCAB_CORPUS_SHA256, ""),
+                           cache)
+    record = read_trim_record(path)
+    if record is None or not (path / "config.json").is_file():
+        return RecordedCopy(path, False, None)
+    kept, dense = tags.get(tag_names.VOCAB_KEPT_SHA256, ""), tags.get(tag_names.VOCAB_DENSE_FINGERPRINT, "")
+    if record.get("kept_sha256") != kept:
+        why = f"kept ids sha256 {str(record.get('kept_sha256'))[:16]} != recorded {kept[:16]}"
+    elif model_fingerprint(path) != dense:
+        why = f"fingerprint differs from the recorded {dense[:12]}"
+    else:
+        why = None
+    return RecordedCopy(path, True, why)
+
+
 def trimmed_copy(model_dir: Path, fingerprint: str, corpus: str, cache: Path) -> tuple[Path, dict]:
     """`model_dir` trimmed to `corpus`, written once into the cache under a name made of the source's content and
     the corpus's (a rerun, or a resumed run, reads the same directory), and its record (without the kept ids)."""

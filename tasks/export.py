@@ -25,7 +25,6 @@ from infra.tags import (
     SOURCE_FINGERPRINT,
     SOURCE_MODEL,
     VOCAB_CORPUS,
-    VOCAB_CORPUS_SHA256,
     VOCAB_DENSE_FINGERPRINT,
 )
 from tasks._common import RETRIES, RETRY_DELAYS, retry_transient
@@ -127,15 +126,16 @@ def _trimmed_dense(tags: dict[str, str], settings: Settings) -> Path:
     """The vocabulary-trimmed dense model a version was pruned from, from the cache it was written to (its place is
     named by the source's fingerprint and the corpus's sha256, both in the version's tags)."""
     from infra.lineage import LineageError
-    from infra.vocab_source import cached_copy_dir
-    from pip_core import io as core_io
+    from infra.vocab_source import recorded_copy
 
-    path = cached_copy_dir(tags[SOURCE_FINGERPRINT], tags.get(VOCAB_CORPUS_SHA256, ""), settings.home / "cache")
-    if not (path / "config.json").is_file() or core_io.model_fingerprint(path) != tags[VOCAB_DENSE_FINGERPRINT]:
+    copy = recorded_copy(tags, settings.home / "cache")
+    if not copy.usable:
+        why = copy.mismatch or "not there"
         raise LineageError(f"the version was pruned from the source's vocabulary trimmed to {tags.get(VOCAB_CORPUS)} "
-                           f"(dense fingerprint {tags[VOCAB_DENSE_FINGERPRINT][:12]}), which is not at {path}: run "
-                           "compress with the same --vocab-corpus on this machine first")
-    return path
+                           f"(dense fingerprint {tags[VOCAB_DENSE_FINGERPRINT][:12]}), and the copy at {copy.path} is "
+                           f"{'not it: ' + why if copy.mismatch else why}: run compress with the same --vocab-corpus "
+                           "on this machine first")
+    return copy.path
 
 
 @task(name="parent-of-run")

@@ -226,11 +226,17 @@ def test_vocabulary_is_trimmed_first_counted_towards_the_target_and_recorded(fir
     assert lineage.ok, lineage.problems
     assert lineage.iterations[-1].teacher_fingerprint == tags["pipprune.vocab.dense_fingerprint"]
     assert lineage.vocab["checked"] and lineage.vocab["kept_sha256"] == record["kept_sha256"]
+    from infra.lineage import LineageError
+    from tasks.export import _trimmed_dense
+
+    assert _trimmed_dense(tags, Settings()) == trimmed_dir  # what `pipprune export` of this version starts from
     record_path = trimmed_dir / "vocab_trim.json"
     original = record_path.read_text()
     record_path.write_text(json.dumps({**record, "kept_sha256": "0" * 64}))  # the cached copy no longer matches
     try:
         changed = trace(client, lambda key: CheckpointStore.from_settings(Settings(), key), "tiny-vocab")
+        with pytest.raises(LineageError, match="kept ids sha256"):
+            _trimmed_dense(tags, Settings())
     finally:
         record_path.write_text(original)
     assert not changed.ok and any("kept ids sha256" in p for p in changed.problems)
