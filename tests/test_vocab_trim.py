@@ -163,3 +163,15 @@ def test_trim_vocab_writes_a_model_that_loads_encodes_its_corpus_as_before_and_r
                 timeout=300)
     assert again.returncode == 2 and "exists" in again.stderr + again.stdout
     assert read_trim_record(out) == record
+
+
+def test_the_round_trip_check_compares_every_text_and_names_the_first_that_differs(tokenizer, trimmed):
+    from infra.vocab_source import VocabSourceError, _check_round_trip, encode_corpus
+
+    trim, _, _, _, out = trimmed
+    encoded = encode_corpus(tokenizer, KEPT, chunk_chars=40)  # several chunks
+    assert [e.tolist() for e in encoded] == tokenizer(KEPT, add_special_tokens=False)["input_ids"]
+    _check_round_trip(out, KEPT, encoded, trim)
+    encoded[2] = encoded[2][::-1].copy()  # what a tokenizer that merges differently would give
+    with pytest.raises(VocabSourceError, match=r"corpus text 2 differently \('Later that"):
+        _check_round_trip(out, KEPT, encoded, trim)
