@@ -11,6 +11,7 @@ Writes benchmarks/results/vocab_budget.{json,md}.
 
 Usage: python -m benchmarks.vocab_budget [--ratio 0.2] [--windows 256] [--wordnet-docs 100]
        [--reuse DIR [--rerun vocab+width]]  (measure an earlier invocation's outputs, rerunning the arms named)
+       [--options "--align 1 --calibration DIR" --name vocab_budget_align1]  (both arms get the options)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import subprocess
 import tempfile
 from pathlib import Path
@@ -69,6 +71,8 @@ def main() -> None:
     parser.add_argument("--wordnet-docs", type=int, default=100)
     parser.add_argument("--reuse", type=Path, default=None, help="the temporary directory of an earlier invocation: "
                         "measure its two outputs again without rerunning them")
+    parser.add_argument("--options", default="", help="compress options both arms get (one string, shell-split)")
+    parser.add_argument("--name", default="vocab_budget", help="results file name (benchmarks/results/NAME.{json,md})")
     parser.add_argument("--rerun", action="append", choices=list(ARMS), default=[],
                         help="with --reuse: run this arm afresh (after a change that only it sees) and reuse the other")
     args = parser.parse_args()
@@ -91,7 +95,8 @@ def main() -> None:
             home.mkdir()
             out = home / "out"
             try:
-                argv, wall, summary, log = run_command(gguf, args.ratio, home, [*ARMS[arm], "--out", str(out)])
+                argv, wall, summary, log = run_command(gguf, args.ratio, home, [*ARMS[arm], *shlex.split(args.options),
+                                                                                  "--out", str(out)])
             finally:
                 stop_stack(home)
             runs[arm] = {"argv": argv, "wall_s": wall, "out": str(out), "summary": summary, "log": log,
@@ -126,12 +131,11 @@ def main() -> None:
             figures[s][arm] = {"nats_per_byte": npb, "tokens": sum(d[2] for d in docs[arm][s]),
                                "ppl_ratio": math.exp((npb - per_byte(dense)) * bytes_per_token)}
         figures[s]["vocab+width - width"] = paired(docs["width"][s], docs["vocab+width"][s])
-    result = {"ratio": args.ratio, "model": str(gguf), "runs": {arm: {k: v for k, v in run.items() if k != "summary"}
-                                                                 | {"summary": _summary_figures(run["summary"])}
-                                                                 for arm, run in runs.items()},
-              "figures": figures,
-              "nproc": subprocess.getoutput("nproc")}
-    print(write("vocab_budget", result, table(result)))
+    result = {"ratio": args.ratio, "options": args.options, "model": str(gguf),
+              "runs": {arm: {k: v for k, v in run.items() if k != "summary"} | {"summary": _summary_figures(run["summary"])}
+                       for arm, run in runs.items()},
+              "figures": figures, "nproc": subprocess.getoutput("nproc")}
+    print(write(args.name, result, table(result)))
 
 
 def _source_fingerprint(model_dir: Path) -> str:
@@ -151,7 +155,8 @@ def table(result: dict) -> list[str]:
     vocab = runs["vocab+width"]["summary"]["vocab"] or {}
     out = [f"## Vocabulary + width against width alone at ratio {result['ratio']:g} (SmolLM2-135M-Instruct GGUF)", "",
            "`pipprune compress --model SmolLM2-135M-Instruct.Q4_1.gguf --ratio "
-           f"{result['ratio']:g}` with and without `--vocab-corpus public`, defaults otherwise; each output measured on "
+           f"{result['ratio']:g}{(' ' + result['options']) if result.get('options') else ''}` with and without "
+           "`--vocab-corpus public`, defaults otherwise; each output measured on "
            "held-out text in nats per byte (the tokenizers differ), shown as the perplexity ratio to the dense model "
            "per dense token; the verdict pairs documents (95% bootstrap interval of the difference in nats per byte).",
            "", "| | vocabulary alone (no pruning) | width alone | vocabulary + width |", "|---|---|---|---|"]
