@@ -294,6 +294,15 @@ def weed_binary() -> str:
 
 
 # ---------------------------------------------------------------------- the stack
+def s3_failure_hint(error: BaseException, settings: Settings) -> str:
+    """Where to read why, when the embedded S3 server answered a request with InternalError: its reply says only
+    "please try again", its log says the cause (no writable volume: a full disk, or a volume cap)."""
+    log_path = settings.stack_dir / "s3.log"
+    if "InternalError" not in str(error) or not log_path.is_file():
+        return ""
+    return f" (the embedded S3 server's log says why: {log_path}; a full disk is the usual cause)"
+
+
 class LocalStack:
     """Start, stop and inspect the three services of one PIPPRUNE_HOME."""
 

@@ -195,3 +195,16 @@ def test_a_failed_stack_up_leaves_no_server_and_the_next_one_works(tmp_path, cap
         print(f"wall time {time.monotonic() - started:.1f} s")
     assert leftovers == {}
     assert_nothing_left(settings)
+
+
+def test_an_internal_error_of_the_embedded_s3_server_points_at_its_log(tmp_path):
+    """The server answers "please try again"; its log has the cause (CI's full volume cap did not say so)."""
+    from infra.stack import s3_failure_hint
+
+    settings = settings_for(tmp_path)
+    error = RuntimeError("Failed to upload x: An error occurred (InternalError) when calling the PutObject operation")
+    assert s3_failure_hint(error, settings) == ""  # no embedded server ran here: nothing to point at
+    settings.stack_dir.mkdir(parents=True, exist_ok=True)
+    (settings.stack_dir / "s3.log").write_text("No writable volumes and no free volumes left\n")
+    assert str(settings.stack_dir / "s3.log") in s3_failure_hint(error, settings)
+    assert s3_failure_hint(RuntimeError("NoSuchBucket"), settings) == ""

@@ -148,4 +148,7 @@ def _run_compress(cfg, out_dir: str | None, overwrite: bool):  # noqa: ANN001
     except (KeyboardInterrupt, CliError):
         raise
     except Exception as exc:  # noqa: BLE001 - report, exit non-zero
-        fail(f"compress failed: {type(exc).__name__}: {exc}", code=FAILED)
+        from infra.settings import Settings
+        from infra.stack import s3_failure_hint
+
+        fail(f"compress failed: {type(exc).__name__}: {exc}{s3_failure_hint(exc, Settings())}", code=FAILED)
