@@ -84,6 +84,7 @@ def main() -> None:
     from infra.eval_kit import eval_kit
     from infra.model_source import local_model_dir
     from infra.vocab_source import cached_copy_dir
+    from pip_core.io import model_fingerprint
 
     gguf = default_model()
     runs = json.loads((args.reuse / RUNS_FILE).read_text()) if args.reuse else {}
@@ -111,7 +112,7 @@ def main() -> None:
     start_text = "<|endoftext|>" if "<|endoftext|>" in dense_tok.get_vocab() else dense_tok.bos_token
     docs: dict[str, dict[str, list]] = {}
     vocab = runs["vocab+width"]["summary"]["vocab"]
-    trimmed = cached_copy_dir(_source_fingerprint(dense_dir), vocab["corpus_sha256"],
+    trimmed = cached_copy_dir(model_fingerprint(dense_dir), vocab["corpus_sha256"],
                               Path(runs["vocab+width"]["home"]) / "cache")
     models = (("dense", dense_dir), ("vocabulary alone", trimmed), *((arm, Path(run["out"])) for arm, run in runs.items()))
     for name, folder in models:
@@ -136,12 +137,6 @@ def main() -> None:
                        for arm, run in runs.items()},
               "figures": figures, "nproc": subprocess.getoutput("nproc")}
     print(write(args.name, result, table(result)))
-
-
-def _source_fingerprint(model_dir: Path) -> str:
-    from pip_core.io import model_fingerprint
-
-    return model_fingerprint(model_dir)
 
 
 def _summary_figures(summary: dict) -> dict:

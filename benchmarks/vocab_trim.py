@@ -20,24 +20,10 @@ import time
 from pathlib import Path
 
 from benchmarks.common import write
+from benchmarks.vocab_budget import doc_nats, per_byte
 
 #: issue 49: perplexity on English held-out text changes by less than 1%
 MAX_PPL_CHANGE = 0.01
-
-
-def nats_per_byte(model, tokenizer, texts: list[str], start: int) -> tuple[float, int, int]:
-    """(nats per UTF-8 byte, bytes, tokens) of `texts`, each predicted whole after `start`."""
-    import torch
-
-    total, size, tokens = 0.0, 0, 0
-    with torch.inference_mode():
-        for text in texts:
-            ids = torch.tensor([[start, *tokenizer(text, add_special_tokens=False)["input_ids"]]])
-            logits = model(input_ids=ids).logits[0, :-1].float()
-            total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
-            size += len(text.encode("utf-8"))
-            tokens += ids.shape[1] - 1
-    return total / size, size, tokens
 
 
 def main() -> None:
@@ -85,8 +71,9 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         params[arm] = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         for name, texts in sets.items():
-            npb, size, tokens = nats_per_byte(model, tok, texts, first)
-            figures[name][arm] = {"nats_per_byte": npb, "bytes": size, "tokens": tokens}
+            docs = doc_nats(model, tok, texts, first)
+            figures[name][arm] = {"nats_per_byte": per_byte(docs), "bytes": sum(d[1] for d in docs),
+                                  "tokens": sum(d[2] for d in docs)}
         del model
     for f in figures.values():
         f["perplexity_change"] = math.exp((f["trimmed"]["nats_per_byte"] - f["dense"]["nats_per_byte"])

@@ -130,11 +130,10 @@ def _trimmed_dense(tags: dict[str, str], settings: Settings) -> Path:
 
     copy = recorded_copy(tags, settings.home / "cache")
     if not copy.usable:
-        why = copy.mismatch or "not there"
+        state = f"not it: {copy.mismatch}" if copy.mismatch else "not there"
         raise LineageError(f"the version was pruned from the source's vocabulary trimmed to {tags.get(VOCAB_CORPUS)} "
                            f"(dense fingerprint {tags[VOCAB_DENSE_FINGERPRINT][:12]}), and the copy at {copy.path} is "
-                           f"{'not it: ' + why if copy.mismatch else why}: run compress with the same --vocab-corpus "
-                           "on this machine first")
+                           f"{state}: run compress with the same --vocab-corpus on this machine first")
     return copy.path
 
 
